@@ -1,0 +1,44 @@
+# The README's two commands: `make run` and `make test`. Both create .venv and install once.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.memfit-installed
+# CPU wheel by default (it lies on this machine's disk). GPU machines, e.g.:
+#   make run TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+CONFIG ?= configs/tiny.yaml
+export DO_NOT_TRACK := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export MLFLOW_DISABLE_TELEMETRY := true
+export HF_HUB_DISABLE_TELEMETRY := 1
+
+.PHONY: install run test test-fast lint clean
+
+install: $(STAMP)
+
+# Re-installs only when the dependency pins change; the log is shown only on failure.
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "installing into $(VENV) (log: $(VENV)/install.log)"
+	@$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)" \
+		>$(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
+	@$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]' \
+		>>$(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/memfit run $(CONFIG)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "unit"
+
+lint: $(STAMP)
+	$(BIN)/ruff check memfit flows tasks tests
+
+clean:
+	rm -rf runs mlflow.db .pytest_cache

@@ -1,0 +1,37 @@
+"""The fine-tune flow: five phases, one task each, in the order a run needs them."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from memfit.config import MemfitConfig
+from memfit.pipeline import absolute_uri
+from memfit.reports import RunSummary
+from tasks.export import export_task
+from tasks.probe import probe_task
+from tasks.recover import recover_task
+from tasks.setup import setup_task
+from tasks.train import train_task
+
+
+@flow(name="memfit-finetune", flow_run_name="{config.run.name}", log_prints=True, validate_parameters=True)
+def finetune(config: MemfitConfig = MemfitConfig()) -> RunSummary:  # noqa: B008 - pydantic default renders in the UI
+    """Fine-tune a causal LM: probe, plan, recover, train, evaluate and export."""
+    # Phase 1: environment check + baseline OOM probe (a real plain step against the budget).
+    probe = probe_task(config)
+    # Phase 2: optimisation stack: the gradient-checkpointing policy and precision that fit.
+    plan = setup_task(config, probe)
+    # Phase 4: preemption recovery: the newest verified training checkpoint, so training resumes from it.
+    resume = recover_task(config)
+    # Phase 3: checkpointed training with MLflow metrics (skipped when the run already finished).
+    trained = train_task(config, plan, resume, probe)
+    # Phase 5: evaluation + verified SafeTensors and ONNX exports.
+    exported = export_task(config, trained)
+    return RunSummary(
+        status="completed", run_name=config.run.name, mlflow_run_id=trained.mlflow_run_id,
+        tracking_uri=config.tracking.resolved_uri(), checkpoint_uri=absolute_uri(config.checkpoint.uri),
+        safetensors_dir=exported.safetensors_dir, onnx_path=exported.onnx_path, steps=trained.steps,
+        initial_val_loss=trained.initial_val_loss, final_val_loss=exported.final_val_loss,
+        final_val_perplexity=exported.final_val_perplexity, onnx_max_abs_diff=exported.onnx_max_abs_diff,
+        plan=plan, baseline=probe.baseline,
+    )

@@ -1,0 +1,126 @@
+"""The `memfit` command line: run the flow, probe, list training checkpoints, show the config."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from memfit.errors import MemfitError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Fine-tune language models on the GPU you have; keep runs alive on spot machines.")
+checkpoints_app = typer.Typer(no_args_is_help=True, help="Training checkpoints (saved state to resume from).")
+app.add_typer(checkpoints_app, name="checkpoints")
+
+ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config (a diff from defaults), e.g. configs/tiny.yaml.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: --set train.max_steps=10 (repeatable).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object, last, on stdout.")]
+
+
+def _environment() -> None:
+    """Defaults every entry point shares: telemetry off, memfit logs visible in Prefect, patient start-up."""
+    from memfit.pipeline import set_telemetry_off
+
+    set_telemetry_off()
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "memfit")
+    # The ephemeral Prefect server's 20 s default is tight on 2 busy cores.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "60")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    for noisy in ("httpx", "alembic", "onnxscript", "onnx_ir", "torch.onnx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _fail(err: BaseException) -> None:
+    code = getattr(err, "exit_code", 2)
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(code)
+
+
+def _load(config: Path | None, overrides: list[str] | None) -> Any:
+    from memfit import config as cfgmod
+
+    return cfgmod.load(config, overrides or [])
+
+
+@app.command()
+def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False) -> None:
+    """Run the five-phase fine-tune flow (ephemeral Prefect unless PREFECT_API_URL is set)."""
+    _environment()
+    try:
+        cfg = _load(config, set_)
+        from flows.finetune import finetune
+
+        summary = finetune(config=cfg)
+    except MemfitError as err:
+        _fail(err)
+    if as_json:
+        typer.echo(json.dumps(summary.model_dump(mode="json"), sort_keys=True))
+    else:
+        typer.echo(f"done: {summary.steps} steps, val loss {summary.initial_val_loss:.4f} -> "
+                   f"{summary.final_val_loss:.4f}; MLflow run {summary.mlflow_run_id} at {summary.tracking_uri}; "
+                   f"export {summary.safetensors_dir}" + (f" + {summary.onnx_path}" if summary.onnx_path else ""))
+
+
+@app.command()
+def probe(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False) -> None:
+    """Phase 1 alone: environment report and one real plain training step against the memory budget."""
+    _environment()
+    try:
+        cfg = _load(config, set_)
+        from memfit.pipeline import probe as run_probe
+
+        report = run_probe(cfg)
+    except MemfitError as err:
+        _fail(err)
+    if as_json:
+        typer.echo(json.dumps(report.model_dump(mode="json"), sort_keys=True))
+    else:
+        b = report.baseline
+        typer.echo(f"{report.environment['device']['type']} {report.environment['device']['name']}: {b['message']}")
+
+
+@app.command("config")
+def show_config(config: ConfigArg = None, set_: SetOpt = None) -> None:
+    """Print the resolved config (defaults + file + overrides) as YAML."""
+    try:
+        typer.echo(_load(config, set_).to_yaml(), nl=False)
+    except MemfitError as err:
+        _fail(err)
+
+
+@checkpoints_app.command("ls")
+def checkpoints_ls(uri: Annotated[str, typer.Argument(help="checkpoint.uri: a folder or s3://bucket/prefix.")],
+                   as_json: JsonOpt = False) -> None:
+    """List complete training checkpoints (those with a manifest) and their steps."""
+    _environment()
+    try:
+        from memfit.checkpointing import CheckpointManager
+        from memfit.storage import open_store
+
+        infos = CheckpointManager(open_store(uri)).list()
+    except MemfitError as err:
+        _fail(err)
+    rows = [{"step": i.step, "uri": i.uri, "bytes": i.total_bytes, "created_at": i.created_at} for i in infos]
+    if as_json:
+        typer.echo(json.dumps({"uri": uri, "checkpoints": rows}))
+        return
+    if not rows:
+        typer.echo(f"no complete training checkpoints under {uri}")
+    for r in rows:
+        typer.echo(f"step {r['step']:>8}  {r['bytes'] / 1e6:10.2f} MB  {r['uri']}")
+
+
+def main() -> None:  # pragma: no cover - console-script shim
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

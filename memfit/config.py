@@ -1,0 +1,241 @@
+"""The typed config tree: defaults here, YAML files in configs/ are diffs, `--set a.b=c` on top."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from memfit.errors import ConfigError
+
+
+class _Section(BaseModel):
+    # extra="forbid" turns a typo in a YAML key into an error instead of a silently ignored setting.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("memfit", min_length=1, max_length=100,
+                      description="Run name: the MLflow run name and the Prefect flow-run name.")
+    work_dir: str = Field("runs/work", description="Scratch folder for preset models and caches.")
+
+
+class ModelConfig(_Section):
+    name_or_path: str | None = Field(
+        None, description="A local Hugging Face causal-LM folder or a hub id, loaded with from_pretrained. "
+        "Overrides `preset` when set.")
+    preset: Literal["tiny-llama", "tiny-gpt2"] | None = Field(
+        "tiny-llama", description="A tiny model built from a config with random weights (used when "
+        "name_or_path is unset); saved locally first and loaded through from_pretrained.")
+    vocab_size: int = Field(512, ge=64, le=65536, description="Preset only: BPE vocabulary size.")
+    hidden_size: int = Field(64, ge=8, le=8192, description="Preset only: hidden size.")
+    num_layers: int = Field(2, ge=1, le=128, description="Preset only: number of decoder blocks.")
+    num_heads: int = Field(4, ge=1, le=128, description="Preset only: attention heads.")
+    max_position_embeddings: int = Field(512, ge=16, description="Preset only: longest sequence.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the model folder/hub.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.name_or_path is None and self.preset is None:
+            raise ValueError("set model.name_or_path (a folder or hub id) or model.preset")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                             f"model.num_heads ({self.num_heads})")
+        return self
+
+
+class DataConfig(_Section):
+    path: str | None = Field(
+        None, description="A .txt/.jsonl file or a folder of them. Unset: a seeded synthetic corpus.")
+    text_field: str = Field("text", description="Field holding the text in .jsonl records.")
+    seq_len: int = Field(128, ge=8, le=131072, description="Tokens per packed training block.")
+    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of blocks held out for validation.")
+    synthetic_docs: int = Field(2000, ge=10, le=10_000_000, description="Synthetic corpus size (documents).")
+    seed: int = Field(1234, description="Seed of the synthetic corpus and the train/validation split.")
+
+
+class TrainConfig(_Section):
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to train for.")
+    batch_size: int = Field(8, ge=1, description="Sequences per optimizer step (the global batch).")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step; must divide batch_size.")
+    lr: float = Field(3e-4, gt=0.0, le=1.0, description="Peak learning rate (AdamW).")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Cosine floor as a fraction of lr.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps before the cosine decay.")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="Gradient clipping norm; null disables.")
+    seed: int = Field(42, description="Seed for weights init, data order and dropout.")
+    precision: Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true"] = Field(
+        "fp32", description="Numeric precision of the training step.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present, else CPU.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads; pinned so CPU runs repeat bitwise. Default: cores, max 4.")
+    log_every_steps: int = Field(1, ge=1, description="Metrics are recorded every N optimizer steps.")
+    eval_batches: int = Field(8, ge=1, description="Validation micro-batches used for loss/perplexity.")
+
+    @model_validator(mode="after")
+    def _accum_divides(self) -> TrainConfig:
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(f"train.grad_accum_steps ({self.grad_accum_steps}) must divide "
+                             f"train.batch_size ({self.batch_size}): the micro-batch is their quotient")
+        return self
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.grad_accum_steps
+
+
+class MemoryConfig(_Section):
+    policy: Literal["auto", "none", "full", "every_k", "selective", "offload"] = Field(
+        "auto", description="Gradient checkpointing policy; auto picks from the baseline probe and the budget. "
+        "selective saves matmul/attention outputs and recomputes the rest; offload (GPU only) keeps the "
+        "checkpointed inputs in pinned CPU memory.")
+    every_k: int = Field(2, ge=1, description="every_k: checkpoint one decoder block in every k.")
+    selective_save_ops: list[str] = Field(
+        default_factory=lambda: ["mm", "addmm", "bmm", "_scaled_dot_product_efficient_attention",
+                                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"],
+        description="selective: aten ops whose outputs are saved; every other op inside a block is recomputed.")
+    budget_gb: float | None = Field(
+        None, gt=0.0, description="Memory budget in GB (1e9 bytes); on CPU a simulated budget. "
+        "Unset: the device's free memory.")
+
+
+class CheckpointConfig(_Section):
+    uri: str = Field("runs/checkpoints", description="Where training checkpoints go: a local folder "
+                     "or s3://bucket/prefix.")
+    every_steps: int = Field(50, ge=1, description="Save a training checkpoint every N optimizer steps.")
+    keep_last: int = Field(2, ge=1, description="Complete training checkpoints to keep.")
+    resume: bool = Field(True, description="Resume from the newest complete training checkpoint at uri.")
+    grace_seconds: float = Field(30.0, gt=0, description="Time a preemption notice gives to save.")
+
+
+class TrackingConfig(_Section):
+    backend: Literal["mlflow", "null"] = Field("mlflow", description="Experiment tracker; null records nothing.")
+    uri: str | None = Field(None, description="MLflow tracking URI. Unset: $MLFLOW_TRACKING_URI, "
+                            "else sqlite:///mlflow.db in the working folder.")
+    experiment: str = Field("memfit", min_length=1, description="MLflow experiment name.")
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _yaml_null(cls, v: Any) -> Any:
+        # `backend: null` in YAML (or --set tracking.backend=null) parses to None: it means the null tracker.
+        return "null" if v is None else v
+
+    def resolved_uri(self) -> str:
+        if self.uri:
+            return self.uri
+        env = os.environ.get("MLFLOW_TRACKING_URI")
+        if env:
+            return env
+        return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+class ExportConfig(_Section):
+    dir: str = Field("runs/export", description="Folder for the SafeTensors HF folder and the ONNX file.")
+    onnx: bool = Field(True, description="Also export and verify ONNX.")
+    onnx_atol: float = Field(1e-4, gt=0.0, description="Max abs logit difference allowed, ONNX vs PyTorch.")
+    opset: int | None = Field(None, ge=13, description="ONNX opset; default: the exporter's.")
+
+
+class MemfitConfig(_Section):
+    """The whole config tree: every YAML in configs/ and every flow parameter is one of these."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys → values, for MLflow params."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, node: Any) -> None:
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = node
+
+        walk("", self.model_dump(mode="json"))
+        return out
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=c` → (['a', 'b'], parsed c); values are parsed as YAML scalars (1, 1e-3, true, null)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. --set train.max_steps=10")
+    key, _, raw = item.partition("=")
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def _set_dotted(tree: dict[str, Any], path: list[str], value: Any, source: str) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{source}: {'.'.join(path[:i + 1])} is not a section")
+        node = nxt
+    node[path[-1]] = value
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; `memfit config --defaults` lists every key)"
+        elif "input" in e and e["type"] not in ("missing",):
+            msg = f"{msg} (got {e['input']!r})"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def from_dict(data: dict[str, Any], source: str = "config") -> MemfitConfig:
+    try:
+        return MemfitConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> MemfitConfig:
+    """Defaults ← YAML file (a diff) ← `dotted.key=value` overrides, validated once at the end."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found (configs/ holds the shipped ones, e.g. configs/tiny.yaml)")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{p}: not valid YAML: {err}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections (model:, train:, ...)")
+        data = copy.deepcopy(loaded)
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        _set_dotted(data, keys, value, f"--set {item}")
+    if overrides:
+        source += " + --set " + " ".join(overrides)
+    return from_dict(data, source)

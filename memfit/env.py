@@ -1,0 +1,113 @@
+"""Environment report: hardware, memory, disk and library versions, as one JSON-able dict."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import shutil
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+_LIBRARIES = ("torch", "transformers", "peft", "accelerate", "safetensors", "onnx", "onnxruntime",
+              "onnxscript", "prefect", "mlflow", "boto3", "datasets", "tokenizers", "pydantic")
+
+
+def library_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in _LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def resolve_device(requested: str = "auto") -> torch.device:
+    """`auto` → the first CUDA device when there is one, else CPU; `cuda` without a GPU is an error."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        from memfit.errors import ConfigError
+
+        raise ConfigError("train.device: 'cuda' requested but no CUDA device is visible; "
+                          "use train.device=auto or cpu")
+    if requested in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _cpu_bf16() -> bool:
+    # CPU autocast accepts bf16 everywhere, but only chips with avx512_bf16/amx run it fast.
+    flags = ""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pass
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def device_report(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        props = torch.cuda.get_device_properties(device)
+        return {
+            "type": "cuda",
+            "name": props.name,
+            "index": device.index,
+            "count": torch.cuda.device_count(),
+            "capability": f"{props.major}.{props.minor}",
+            "memory_total_bytes": int(total),
+            "memory_free_bytes": int(free),
+            "bf16_supported": bool(torch.cuda.is_bf16_supported()),
+        }
+    vm = psutil.virtual_memory()
+    return {
+        "type": "cpu",
+        "name": platform.processor() or platform.machine(),
+        "index": None,
+        "count": 1,
+        "capability": None,
+        "memory_total_bytes": int(vm.total),
+        "memory_free_bytes": int(vm.available),
+        "bf16_supported": _cpu_bf16(),
+    }
+
+
+def environment_report(device: torch.device, disk_path: str | os.PathLike[str] = ".") -> dict[str, Any]:
+    """What is here: the device used for training, every visible GPU, CPU RAM, disk and versions."""
+    vm = psutil.virtual_memory()
+    probe_dir = Path(disk_path)
+    while not probe_dir.exists() and probe_dir != probe_dir.parent:
+        probe_dir = probe_dir.parent
+    disk = shutil.disk_usage(probe_dir)
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"index": i, "name": p.name, "memory_total_bytes": int(p.total_memory)})
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_version": torch.version.cuda,
+        "cudnn_version": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "gpus": gpus,
+        "device": device_report(device),
+        "cpu_ram_total_bytes": int(vm.total),
+        "cpu_ram_available_bytes": int(vm.available),
+        "disk_path": str(probe_dir.resolve()),
+        "disk_free_bytes": int(disk.free),
+        "libraries": library_versions(),
+    }
+
+
+def pin_threads(num_threads: int | None) -> int:
+    """Pin torch's CPU threads: a thread-count change alone changes float sums (FACTS: 4e-6)."""
+    n = num_threads or max(1, min(4, os.cpu_count() or 1))
+    torch.set_num_threads(n)
+    return n

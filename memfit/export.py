@@ -1,0 +1,395 @@
+"""Export a fine-tuned causal LM to SafeTensors and ONNX, each verified before it is moved into place."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime as _dt
+import hashlib
+import io
+import json
+import os
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import memfit
+from memfit.errors import ExportError
+
+MANIFEST_NAME = "memfit-export.json"
+# torch.export treats sizes 0 and 1 as static, so the example must be >= 2 in both dims for them to
+# stay dynamic; the verification shapes then prove the axes really are dynamic.
+EXAMPLE_SHAPE = (2, 16)
+DEFAULT_SHAPES = ((1, 8), (2, 16), (3, 5))
+# ONNX files are protobufs, capped at 2 GiB. torch.onnx switches to external data by itself above
+# 1.5 GiB of initializers; we decide from the parameter bytes with the same margin so the choice is
+# ours and recorded, not a side effect.
+EXTERNAL_DATA_BYTES = int(1.5 * 1024**3)
+_CHUNK = 1 << 20
+
+
+@dataclass
+class SafetensorsExport:
+    dir: str
+    max_abs_diff: float
+    files: dict[str, dict]
+
+
+@dataclass
+class OnnxExport:
+    path: str
+    opset: int
+    max_abs_diff: float
+    shapes: list[tuple[int, int]]
+    external_data: bool
+    sha256: str
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks so multi-GB weights never sit in memory."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def prepare_for_inference(model: nn.Module) -> nn.Module:
+    """Put `model` (in place) in eval mode, checkpointing off and KV cache on; returns it.
+
+    Training usually sets `use_cache=False` (the cache is useless with checkpointing) and that flag
+    would otherwise be saved into config.json and make generation slow for every user of the export.
+    """
+    model.eval()
+    # Same test as transformers' `is_activation_checkpointing`, but works on any nn.Module, and we only
+    # call disable when it is on: with PEFT, disable also removes an input hook that may not exist.
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        if hasattr(model, "activation_checkpointing_disable"):  # transformers >= 5
+            model.activation_checkpointing_disable()
+        elif hasattr(model, "gradient_checkpointing_disable"):  # deprecated alias in 5.x, FutureWarning
+            model.gradient_checkpointing_disable()
+        for m in model.modules():  # plain modules carrying the flag, or a model that ignored disable
+            if getattr(m, "gradient_checkpointing", False) is True:
+                m.gradient_checkpointing = False
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = True
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.use_cache = True
+    return model
+
+
+def _vocab_size(model: nn.Module) -> int:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(emb, nn.Embedding):
+        return emb.num_embeddings
+    return int(model.config.vocab_size)
+
+
+def _sample_ids(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
+    # Own generator: deterministic without touching the global RNG a training run may rely on.
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g, dtype=torch.long)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _writable_dir(folder: Path, what: str) -> None:
+    """Create `folder` if needed and prove it is writable now, before minutes of export work."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".memfit-write-test-{secrets.token_hex(4)}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ExportError(
+            f"cannot write the {what} into {folder}: {e.strerror or e}. "
+            "Choose an output folder you can write to, or fix its permissions."
+        ) from e
+
+
+def _fsync_tree(root: Path) -> None:
+    # Renames are atomic, but without fsync a crash right after one can leave empty files behind it.
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _move_dir_into_place(tmp: Path, out_dir: Path) -> None:
+    """Swap `tmp` in as `out_dir`; an existing out_dir is renamed aside first and deleted last."""
+    old = None
+    if out_dir.exists() or out_dir.is_symlink():
+        if not out_dir.is_dir():
+            raise ExportError(f"{out_dir} exists and is not a folder; remove it or choose another out_dir.")
+        old = out_dir.parent / f".{out_dir.name}.old-{secrets.token_hex(4)}"
+        os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        if old is not None:
+            os.rename(old, out_dir)  # put the previous export back: never leave no out_dir at all
+        raise
+    if old is not None and old.is_symlink():
+        old.unlink()  # out_dir was a link to a folder: drop the link, not what it points to
+    elif old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@torch.no_grad()
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids.to(_device_of(model)), use_cache=False).logits.float().cpu()
+
+
+def export_safetensors(
+    model,
+    tokenizer,
+    out_dir: str | Path,
+    *,
+    sample_input_ids: torch.Tensor | None = None,
+    atol: float = 1e-5,
+    metadata: dict | None = None,
+) -> SafetensorsExport:
+    """Save model + tokenizer as a from_pretrained folder, reload and compare logits, then move it in place.
+
+    The model is prepared for inference in place (see `prepare_for_inference`). Raises ExportError
+    when the folder cannot be written or the reloaded model's logits differ by more than `atol`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = Path(out_dir).absolute()
+    if getattr(model, "_hf_peft_config_loaded", False) or hasattr(model, "peft_config"):
+        # save_pretrained would write only the adapter, which AutoModelForCausalLM cannot load alone.
+        raise ExportError(
+            f"the model carries PEFT adapters; merge them first (model = model.merge_and_unload()) "
+            f"before exporting to {out_dir}."
+        )
+    _writable_dir(out_dir.parent, "SafeTensors export")
+    prepare_for_inference(model)
+    vocab = _vocab_size(model)
+    if sample_input_ids is None:
+        sample_input_ids = _sample_ids(vocab, *EXAMPLE_SHAPE, seed=0)
+    elif int(sample_input_ids.max()) >= vocab or int(sample_input_ids.min()) < 0:
+        raise ExportError(f"sample_input_ids must lie in [0, {vocab}) (the model's vocabulary).")
+
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        # transformers 5 always writes safetensors: `safe_serialization` is gone from save_pretrained
+        # (it would land silently in **kwargs), so we check for the files instead of asking for them.
+        model.save_pretrained(tmp)
+        if not any(tmp.glob("*.safetensors")) or any(tmp.glob("*.bin")):
+            raise ExportError(f"save_pretrained did not write SafeTensors weights for {out_dir}.")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and not (tmp / "generation_config.json").exists():
+            gen.save_pretrained(tmp)  # save_pretrained skips it for models that cannot generate
+
+        config = json.loads((tmp / "config.json").read_text())
+        if config.get("use_cache") is not True:
+            use_cache = config.get("use_cache")
+            raise ExportError(f"config.json for {out_dir} has use_cache={use_cache!r}, not true.")
+
+        dtype = next(model.parameters()).dtype
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(_device_of(model)).eval()
+        diff = float((_logits(model, sample_input_ids) - _logits(reloaded, sample_input_ids)).abs().max())
+        del reloaded
+        if not diff <= atol:  # `not <=` so a NaN difference fails too
+            raise ExportError(
+                f"SafeTensors export for {out_dir} failed verification: reloaded logits differ by "
+                f"max |diff| = {diff:.3g} > atol = {atol:g}; nothing was written to {out_dir}."
+            )
+        if tokenizer is not None:
+            text = "memfit export check: hello world 123"
+            again = AutoTokenizer.from_pretrained(tmp)
+            if again(text)["input_ids"] != tokenizer(text)["input_ids"]:
+                raise ExportError(f"the tokenizer saved for {out_dir} encodes differently after reloading.")
+
+        files = {
+            p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file()
+        }
+        manifest = {
+            "memfit_version": memfit.__version__,
+            "format": "safetensors",
+            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "max_abs_diff": diff,
+            "atol": atol,
+            "metadata": metadata or {},
+            "files": files,
+        }
+        # default=str: a Path or datetime in user metadata should not sink an export that passed.
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+        _fsync_tree(tmp)
+        _move_dir_into_place(tmp, out_dir)
+    except OSError as e:
+        raise ExportError(
+            f"writing the SafeTensors export to {out_dir} failed: {e}. Check free disk space and permissions."
+        ) from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return SafetensorsExport(dir=str(out_dir), max_abs_diff=diff, files=files)
+
+
+class _LogitsOnly(nn.Module):
+    """input_ids -> logits: one tensor in, one out, no cache objects for the exporter to trace."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def _fp32_cpu(model: nn.Module) -> nn.Module:
+    """The model itself if already fp32 on CPU, else an fp32 CPU copy (the caller's model is left alone).
+
+    onnxruntime's CPU provider lacks bf16/fp16 kernels for much of a transformer, and parity is
+    judged against fp32 PyTorch logits on the same device as onnxruntime.
+    """
+    params = list(model.parameters()) + list(model.buffers())
+    if all(p.device.type == "cpu" and (p.dtype == torch.float32 or not p.is_floating_point())
+           for p in params):
+        return model
+    return copy.deepcopy(model).to(device="cpu", dtype=torch.float32)
+
+
+def _parity(path: Path, model: nn.Module, shapes) -> list[tuple[tuple[int, int], float]]:
+    import onnxruntime as ort
+
+    wrapper = _LogitsOnly(_fp32_cpu(model)).eval()
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    vocab = _vocab_size(model)
+    out = []
+    for i, (batch, seq) in enumerate(shapes):
+        ids = _sample_ids(vocab, batch, seq, seed=1000 + i)
+        with torch.no_grad():
+            ref = wrapper(ids).float().numpy()
+        got = session.run(["logits"], {"input_ids": ids.numpy()})[0]
+        if got.shape != ref.shape:
+            raise ExportError(f"ONNX model {path} returned logits shaped {got.shape}, expected {ref.shape}.")
+        out.append(((batch, seq), float(abs(got.astype("float32") - ref).max())))
+    return out
+
+
+def verify_onnx(path: str | Path, model: nn.Module, shapes=DEFAULT_SHAPES, atol: float = 1e-4) -> float:
+    """Max |onnxruntime - PyTorch fp32| logits over `shapes` ((batch, seq) pairs); ExportError above atol."""
+    return _verify(Path(path), model, shapes, atol, label=str(path))
+
+
+def _verify(path: Path, model: nn.Module, shapes, atol: float, label: str) -> float:
+    # `label` names the file the user knows about, not the temporary one being checked.
+    diffs = _parity(path, model, [tuple(s) for s in shapes])
+    worst_shape, worst = max(diffs, key=lambda d: d[1] if d[1] == d[1] else float("inf"))
+    if not worst <= atol:  # `not <=` so a NaN difference fails too
+        per_shape = ", ".join(f"{b}x{s}: {d:.3g}" for (b, s), d in diffs)
+        raise ExportError(
+            f"ONNX parity failed for {label}: max |onnxruntime - PyTorch| = {worst:.3g} at shape "
+            f"(batch={worst_shape[0]}, seq={worst_shape[1]}) exceeds atol = {atol:g} "
+            f"(per shape: {per_shape})."
+        )
+    return worst
+
+
+def export_onnx(
+    model,
+    out_path: str | Path,
+    *,
+    atol: float = 1e-4,
+    opset: int | None = None,
+    shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES,
+) -> OnnxExport:
+    """Export input_ids -> logits (dynamic batch and sequence), check with onnx + onnxruntime, move in place.
+
+    The model is prepared for inference in place; the export itself runs on an fp32 CPU copy if
+    the model is not fp32 on CPU. On any failure nothing is left at `out_path` (an older file stays).
+    """
+    import onnx
+
+    out_path = Path(out_path).absolute()
+    shapes = [(int(b), int(s)) for b, s in shapes]
+    if not shapes or any(b < 1 or s < 1 for b, s in shapes):
+        raise ExportError(f"ONNX verification shapes must be (batch, seq) pairs >= 1, got {shapes}.")
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None) or EXAMPLE_SHAPE[1]
+    example_shape = (EXAMPLE_SHAPE[0], max(2, min(EXAMPLE_SHAPE[1], max_pos)))
+    if not any(b != example_shape[0] and s != example_shape[1] for b, s in shapes):
+        raise ExportError(
+            f"ONNX verification shapes {shapes} must include one whose batch and sequence both differ from "
+            f"the export example {example_shape}, to prove the axes are dynamic; add e.g. (3, 5)."
+        )
+    _writable_dir(out_path.parent, "ONNX export")
+    prepare_for_inference(model)
+    src = _fp32_cpu(model)
+    external = sum(p.numel() * 4 for p in src.parameters()) > EXTERNAL_DATA_BYTES
+
+    # A temporary folder beside out_path, holding the file under its final name: external data is
+    # referenced by file name from inside the .onnx, so the name must not change when it is moved.
+    tmp = out_path.parent / f".{out_path.name}.tmp-{secrets.token_hex(4)}"
+    data_name = out_path.name + ".data"
+    try:
+        tmp.mkdir()
+        example = _sample_ids(_vocab_size(src), *example_shape, seed=0)
+        log = io.StringIO()
+        try:
+            # The dynamo exporter reports progress on stdout; keep it for the error message only.
+            with contextlib.redirect_stdout(log):
+                program = torch.onnx.export(
+                    _LogitsOnly(src).eval(),
+                    (example,),
+                    dynamo=True,
+                    input_names=["input_ids"],
+                    output_names=["logits"],
+                    # Named strings become Dim.DYNAMIC and also name the ONNX axes "batch"/"sequence".
+                    dynamic_shapes={"input_ids": {0: "batch", 1: "sequence"}},
+                    verbose=False,
+                    **({"opset_version": opset} if opset is not None else {}),
+                )
+        except Exception as e:
+            raise ExportError(
+                f"torch.onnx.export (dynamo) failed for {type(model).__name__} -> {out_path}: {e}\n"
+                f"{log.getvalue()[-2000:]}"
+            ) from e
+        staged = tmp / out_path.name
+        program.save(staged, external_data=external)
+        del program
+        onnx.checker.check_model(str(staged))  # by path, so external data is found and > 2 GB is allowed
+        proto = onnx.load(str(staged), load_external_data=False)
+        opset_found = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+        del proto
+        diff = _verify(staged, src, shapes, atol, label=f"{out_path} (not written)")
+        digest = sha256_file(staged)
+        has_data = (tmp / data_name).exists()
+        _fsync_tree(tmp)
+        # Weights first, graph last: the .onnx appearing is the signal that the export is complete.
+        if has_data:
+            os.replace(tmp / data_name, out_path.parent / data_name)
+        os.replace(staged, out_path)
+        if not has_data:
+            # A replaced export's external weights would otherwise sit there looking current.
+            (out_path.parent / data_name).unlink(missing_ok=True)
+    except onnx.checker.ValidationError as e:
+        raise ExportError(f"the exported ONNX model for {out_path} fails onnx.checker: {e}") from e
+    except OSError as e:
+        raise ExportError(
+            f"writing the ONNX export to {out_path} failed: {e}. Check free disk space and permissions."
+        ) from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return OnnxExport(
+        path=str(out_path),
+        opset=int(opset_found),
+        max_abs_diff=diff,
+        shapes=shapes,
+        external_data=has_data,
+        sha256=digest,
+    )

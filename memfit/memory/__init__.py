@@ -1,0 +1,1 @@
+"""Memory: measuring a training step, gradient-checkpointing policies, and the plan."""

@@ -1,0 +1,90 @@
+"""Typed results the phases hand each other and the flow returns (JSON-able, shown in Prefect)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Report(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProbeReport(_Report):
+    """Phase 1: what hardware and libraries are here, and whether a plain training step fits."""
+
+    environment: dict[str, Any]
+    baseline: dict[str, Any] = Field(description="peak_bytes, budget_bytes, fits, headroom_bytes, breakdown...")
+    model_source: str
+    n_params: int
+
+
+class PlanReport(_Report):
+    """Phase 2: the optimisation stack chosen, and why."""
+
+    policy: str
+    every_k: int
+    precision: str
+    micro_batch_size: int
+    grad_accum_steps: int
+    reason: str
+    description: str
+
+
+class ResumePoint(_Report):
+    """Phase 4: the newest verified training checkpoint of this run, downloaded and ready to restore."""
+
+    checkpoint_uri: str = Field(description="The store holding this run's training checkpoints.")
+    step: int | None = None
+    source_uri: str | None = Field(None, description="The checkpoint restored from, if any.")
+    local_dir: str | None = None
+    mlflow_run_id: str | None = None
+    finished: bool = False
+
+
+class TrainReport(_Report):
+    """Phase 3: what training did."""
+
+    mlflow_run_id: str
+    start_step: int
+    steps: int
+    resumed_from: int | None
+    preempted: bool
+    initial_val_loss: float | None
+    final_train_loss: float | None
+    tokens_per_s: float | None
+    peak_memory_bytes: int
+    last_checkpoint_uri: str | None
+
+
+class ExportReport(_Report):
+    """Phase 5: evaluation on the validation split, and the verified exports."""
+
+    final_val_loss: float
+    final_val_perplexity: float
+    safetensors_dir: str
+    safetensors_max_abs_diff: float
+    onnx_path: str | None
+    onnx_max_abs_diff: float | None
+    onnx_opset: int | None
+    source_checkpoint: str
+
+
+class RunSummary(_Report):
+    """What `memfit run --json` prints and the flow returns."""
+
+    status: str = Field(description="completed or preempted")
+    run_name: str
+    mlflow_run_id: str | None
+    tracking_uri: str
+    checkpoint_uri: str
+    safetensors_dir: str | None
+    onnx_path: str | None
+    steps: int
+    initial_val_loss: float | None
+    final_val_loss: float | None
+    final_val_perplexity: float | None = None
+    onnx_max_abs_diff: float | None = None
+    plan: PlanReport | None = None
+    baseline: dict[str, Any] | None = None

@@ -1,0 +1,1 @@
+"""Thin Prefect tasks over memfit's phases: retries, timeouts, artifacts; no logic of their own."""

@@ -1,0 +1,33 @@
+"""Phase 5 task: validation loss and perplexity, then verified SafeTensors and ONNX exports."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from memfit import pipeline
+from memfit.config import MemfitConfig
+from memfit.reports import ExportReport, TrainReport
+
+
+@task(name="evaluate-and-export", cache_policy=NO_CACHE, timeout_seconds=3600)
+def export_task(config: MemfitConfig, trained: TrainReport) -> ExportReport:
+    report = pipeline.evaluate_and_export(config, trained)
+    onnx = (f"`{report.onnx_path}` (opset {report.onnx_opset}, max abs diff {report.onnx_max_abs_diff:.2e})"
+            if report.onnx_path else "off")
+    create_markdown_artifact(
+        key="eval-and-export",
+        description="Evaluation and verified exports",
+        markdown="\n".join([
+            "# Evaluation and export", "", "| what | value |", "|---|---|",
+            f"| validation loss | {trained.initial_val_loss if trained.initial_val_loss is not None else float('nan'):.4f}"
+            f" → {report.final_val_loss:.4f} |",
+            f"| perplexity | {report.final_val_perplexity:.3f} |",
+            f"| SafeTensors folder | `{report.safetensors_dir}` (reload diff {report.safetensors_max_abs_diff:.2e}) |",
+            f"| ONNX | {onnx} |",
+            f"| from training checkpoint | `{report.source_checkpoint}` |",
+            f"| MLflow run | `{trained.mlflow_run_id}` |",
+        ]),
+    )
+    return report

@@ -1,0 +1,28 @@
+"""Phase 2 task: the optimisation stack (gradient checkpointing policy, precision, accumulation)."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from memfit import pipeline
+from memfit.config import MemfitConfig
+from memfit.reports import PlanReport, ProbeReport
+
+
+@task(name="optimisation-stack", cache_policy=NO_CACHE, timeout_seconds=600)
+def setup_task(config: MemfitConfig, probe: ProbeReport) -> PlanReport:
+    plan = pipeline.setup_stack(config, probe)
+    create_markdown_artifact(
+        key="memory-plan",
+        description="The optimisation stack chosen for this run",
+        markdown="\n".join([
+            "# Memory plan", "", "| setting | value |", "|---|---|",
+            f"| gradient checkpointing | `{plan.policy}` — {plan.description} |",
+            f"| precision | `{plan.precision}` |",
+            f"| micro-batch × accumulation | {plan.micro_batch_size} × {plan.grad_accum_steps} |",
+            "", f"Why: {plan.reason}",
+        ]),
+    )
+    return plan

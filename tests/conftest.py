@@ -1,0 +1,66 @@
+"""Shared fixtures: telemetry off, a tiny config, a temp MLflow store, one session-wide Prefect harness."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# Before prefect/mlflow are imported anywhere: no telemetry, an isolated Prefect home, patient start-up.
+_HOME = Path(tempfile.mkdtemp(prefix="memfit-tests-"))
+os.environ.update({
+    "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "PREFECT_HOME": str(_HOME / "prefect"),
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "memfit",
+})
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+import pytest  # noqa: E402
+
+pytest_plugins = ["fixtures.s3"]
+
+from tests_support import tiny_overrides  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One Prefect test harness (a temporary server + SQLite DB) for the whole session (~10 s once)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture()
+def mlflow_uri(tmp_path: Path) -> str:
+    """A fresh MLflow tracking store on SQLite (a real store, not a mock)."""
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture()
+def tiny_config(tmp_path: Path, mlflow_uri: str):
+    """configs/tiny.yaml, shortened, with every output under tmp_path."""
+    from memfit import config
+
+    def make(**extra: object):
+        base = {"train.max_steps": 12, "checkpoint.every_steps": 4, "train.warmup_steps": 2,
+                "data.synthetic_docs": 400, "export.onnx": False}
+        base.update(extra)
+        return config.load(REPO / "configs" / "tiny.yaml", tiny_overrides(tmp_path, mlflow_uri, **base))
+
+    return make

@@ -1,0 +1,52 @@
+"""`memfit run configs/tiny.yaml --json` as a new user runs it: a real process, ephemeral Prefect."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_memfit_run_tiny_json(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    # Run from a fresh folder with the shipped config: defaults put MLflow and outputs under the cwd.
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    proc = subprocess.run([sys.executable, "-m", "memfit.cli", "run", "configs/tiny.yaml", "--json"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("mlflow_run_id", "tracking_uri", "checkpoint_uri", "safetensors_dir", "onnx_path", "steps",
+                "initial_val_loss", "final_val_loss"):
+        assert key in out, key
+    assert out["steps"] == 60
+    assert out["final_val_loss"] < out["initial_val_loss"]
+    assert out["tracking_uri"] == f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    from transformers import AutoModelForCausalLM
+    import onnxruntime as ort
+
+    model = AutoModelForCausalLM.from_pretrained(out["safetensors_dir"]).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits.numpy()
+    sess = ort.InferenceSession(out["onnx_path"], providers=["CPUExecutionProvider"])
+    got = sess.run(["logits"], {"input_ids": ids.numpy()})[0]
+    assert np.abs(got - ref).max() <= 1e-4
+
+    from mlflow import MlflowClient
+
+    run = MlflowClient(out["tracking_uri"]).get_run(out["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and "loss" in run.data.metrics
+    ckpts = sorted(p.name for p in Path(out["checkpoint_uri"]).iterdir()) if not out["checkpoint_uri"].startswith(
+        "s3://") else []
+    assert ckpts[-1] == "step-00000060"

@@ -1,0 +1,96 @@
+"""Phases 1-4 without Prefect: the probe, loss falling, preemption and bitwise-exact resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memfit import pipeline
+from memfit.errors import ConfigError, Preempted
+from memfit.tracking.null import NullTracker
+
+pytestmark = pytest.mark.integration
+
+
+def _final_weights(ckpt_root: Path) -> dict[str, torch.Tensor]:
+    newest = sorted(p for p in ckpt_root.iterdir() if p.name.startswith("step-"))[-1]
+    return load_file(str(newest / "model.safetensors"))
+
+
+def test_probe_measures_a_real_step(tiny_config):
+    cfg = tiny_config()
+    report = pipeline.probe(cfg)
+    b = report.baseline
+    assert b["peak_bytes"] > 0 and b["fits"] is True and b["budget_bytes"] is None
+    assert b["breakdown"]["activation"] > 0 and b["breakdown"]["parameter"] > 0
+    assert report.environment["device"]["type"] == "cpu"
+    assert report.environment["libraries"]["torch"].startswith("2.13")
+    # A simulated budget below the measured peak is a would-OOM verdict, with numbers.
+    tight = pipeline.probe(tiny_config(**{"memory.budget_gb": b["peak_bytes"] / 2e9}))
+    assert tight.baseline["fits"] is False and tight.baseline["headroom_bytes"] < 0
+    assert "would OOM" in tight.baseline["message"]
+    plan = pipeline.setup_stack(tiny_config(**{"memory.budget_gb": b["peak_bytes"] / 2e9}), tight)
+    assert plan.policy == "full"
+    assert pipeline.setup_stack(cfg, report).policy == "none"
+
+
+def test_offload_on_cpu_is_a_clear_error(tiny_config):
+    cfg = tiny_config(**{"memory.policy": "offload"})
+    report = pipeline.probe(tiny_config())
+    with pytest.raises(ConfigError, match="memory.policy"):
+        pipeline.setup_stack(cfg, report)
+
+
+def _train(cfg):
+    report = pipeline.probe(cfg)
+    plan = pipeline.setup_stack(cfg, report)
+    return pipeline.train(cfg, plan, pipeline.recover(cfg), report)
+
+
+def test_loss_falls_and_checkpoints_are_kept(tiny_config, tmp_path):
+    cfg = tiny_config(**{"tracking.backend": "null", "train.max_steps": 30, "checkpoint.every_steps": 10,
+                         "checkpoint.keep_last": 2})
+    result = _train(cfg)
+    assert result.steps == 30 and result.preempted is False
+    assert result.final_train_loss < result.initial_val_loss - 1.0
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["step-00000020", "step-00000030"]
+
+
+def test_sigterm_saves_and_resume_is_bitwise_identical(tiny_config, tmp_path, monkeypatch):
+    common = {"tracking.backend": "null", "train.max_steps": 8, "checkpoint.every_steps": 3}
+    straight = tiny_config(**common, **{"checkpoint.uri": str(tmp_path / "straight")})
+    _train(straight)
+
+    cfg = tiny_config(**common, **{"checkpoint.uri": str(tmp_path / "interrupted")})
+    original = NullTracker.log_metrics
+
+    def preempt_at_5(self, metrics, step):
+        original(self, metrics, step)
+        if step == 5 and "loss" in metrics:
+            os.kill(os.getpid(), signal.SIGTERM)  # what a spot reclaim or `kubectl delete pod` sends
+
+    monkeypatch.setattr(NullTracker, "log_metrics", preempt_at_5)
+    with pytest.raises(Preempted, match="step 5"):
+        _train(cfg)
+    assert (tmp_path / "interrupted" / "step-00000005" / "manifest.json").exists()
+    monkeypatch.setattr(NullTracker, "log_metrics", original)
+
+    resume = pipeline.recover(cfg)
+    assert resume.step == 5 and not resume.finished
+    result = _train(cfg)
+    assert result.resumed_from == 5 and result.steps == 8
+    a, b = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "interrupted")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+
+    # A finished run is not retrained.
+    again = pipeline.recover(cfg)
+    assert again.finished
+    report = _train(cfg)
+    assert report.steps == 8 and report.start_step == 8

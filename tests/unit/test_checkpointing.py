@@ -1,0 +1,113 @@
+"""Training checkpoints: manifest-last commits, verification, fallback, retention, no unpickling."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit.checkpointing import MANIFEST, CheckpointManager, take_snapshot
+from memfit.errors import CheckpointError
+from memfit.storage import open_store
+
+pytestmark = pytest.mark.unit
+
+
+def _snapshot(step: int, value: float = 0.0):
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        model.weight.fill_(value)
+    return take_snapshot(step, model.state_dict(), opt.state_dict(), {"torch": torch.get_rng_state()},
+                         {"step": step, "note": "x"}, "train:\n  max_steps: 3\n")
+
+
+@pytest.fixture()
+def manager(tmp_path: Path) -> CheckpointManager:
+    m = CheckpointManager(open_store(str(tmp_path / "store")), keep_last=2, staging_dir=tmp_path / "staging")
+    yield m
+    m.close()
+
+
+def test_save_list_and_load(manager, tmp_path):
+    manager.save(_snapshot(5, 1.5))
+    infos = manager.list()
+    assert [i.step for i in infos] == [5]
+    loaded = manager.latest(tmp_path / "dl")
+    assert loaded.step == 5 and torch.all(loaded.model_state["weight"] == 1.5)
+    assert loaded.state["note"] == "x" and "max_steps" in loaded.config_yaml
+    assert loaded.optimizer_state["state"][0]["step"] == 1
+
+
+def test_snapshot_is_a_copy(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    snap = take_snapshot(1, model.state_dict(), {}, {}, {}, "")
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert not torch.equal(snap.model_state["weight"], model.weight)
+
+
+def test_background_save_then_wait(manager):
+    fut = manager.save(_snapshot(1), blocking=False)
+    info = manager.wait()
+    assert fut.done() and info.step == 1 and manager.list()[-1].step == 1
+
+
+def test_checkpoint_without_manifest_does_not_exist(manager, tmp_path):
+    manager.save(_snapshot(2, 2.0))
+    manager.save(_snapshot(4, 4.0))
+    manager.store.delete(f"step-00000004/{MANIFEST}")
+    assert [i.step for i in manager.list()] == [2]
+    assert manager.latest(tmp_path / "dl").step == 2
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_newest_falls_back_with_warning(manager, tmp_path, caplog, damage):
+    manager.save(_snapshot(2, 2.0))
+    manager.save(_snapshot(4, 4.0))
+    target = Path(manager.store.root) / "step-00000004" / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    if damage == "flip":
+        data[-1] ^= 0xFF
+    else:
+        data = data[: len(data) // 2]
+    target.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="memfit.checkpointing"):
+        loaded = manager.latest(tmp_path / "dl")
+    assert loaded.step == 2 and torch.all(loaded.model_state["weight"] == 2.0)
+    assert "step-00000004" in caplog.text
+
+
+def test_retention_keeps_last_n_committed(manager):
+    for s in (1, 2, 3, 4):
+        manager.save(_snapshot(s))
+    assert [i.step for i in manager.list()] == [3, 4]
+    assert not any(k.startswith("step-00000001/") for k in manager.store.list(""))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (Path("/tmp/memfit-pwned").touch, ())
+
+
+def test_planted_pickle_is_never_unpickled(manager, tmp_path):
+    manager.save(_snapshot(3))
+    store_dir = Path(manager.store.root) / "step-00000003"
+    evil = pickle.dumps({"state": _Evil()})
+    (store_dir / "optimizer.pt").write_bytes(evil)
+    # Re-sign the manifest so only the loader's refusal to unpickle can stop it.
+    manifest = json.loads((store_dir / MANIFEST).read_text())
+    manifest["files"]["optimizer.pt"] = {"bytes": len(evil), "sha256": hashlib.sha256(evil).hexdigest()}
+    (store_dir / MANIFEST).write_text(json.dumps(manifest))
+    Path("/tmp/memfit-pwned").unlink(missing_ok=True)
+    info = manager.list()[-1]
+    with pytest.raises(CheckpointError):
+        manager.load(info, tmp_path / "dl")
+    assert not Path("/tmp/memfit-pwned").exists()

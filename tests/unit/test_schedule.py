@@ -1,0 +1,41 @@
+"""LR schedule and RNG capture: pure functions the loop and resume depend on."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from memfit.schedule import capture_rng, lr_factor, restore_rng
+
+pytestmark = pytest.mark.unit
+
+
+def test_warmup_then_cosine_to_floor():
+    f = [lr_factor(s, warmup_steps=4, max_steps=20, min_ratio=0.1) for s in range(21)]
+    assert f[0] == pytest.approx(0.25) and f[3] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))  # non-increasing after warm-up
+    assert f[20] == pytest.approx(0.1)
+    assert lr_factor(100, warmup_steps=4, max_steps=20, min_ratio=0.1) == pytest.approx(0.1)
+
+
+def test_no_warmup():
+    assert lr_factor(0, warmup_steps=0, max_steps=10, min_ratio=0.0) == pytest.approx(1.0)
+
+
+def test_rng_round_trip_is_exact_and_json_able():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    js, tensors = capture_rng()
+    json.dumps(js)  # python/numpy state travels as JSON, never pickle
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    restore_rng(json.loads(json.dumps(js)), tensors)
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
