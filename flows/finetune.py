@@ -14,7 +14,8 @@ from tasks.setup import setup_task
 from tasks.train import train_task
 
 
-@flow(name="memfit-finetune", flow_run_name="{config.run.name}", log_prints=True, validate_parameters=True)
+@flow(name="memfit-finetune", flow_run_name="{config.run.name}", log_prints=True, validate_parameters=True,
+      persist_result=True)
 def finetune(config: MemfitConfig = MemfitConfig()) -> RunSummary:  # noqa: B008 - pydantic default renders in the UI
     """Fine-tune a causal LM: probe, plan, recover, train, evaluate and export."""
     # Phase 1: environment check + baseline OOM probe (a real plain step against the budget).

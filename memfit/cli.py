@@ -87,6 +87,25 @@ def probe(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = Fals
         typer.echo(f"{report.environment['device']['type']} {report.environment['device']['name']}: {b['message']}")
 
 
+@app.command()
+def serve(config: ConfigArg = None, set_: SetOpt = None,
+          limit: Annotated[int | None, typer.Option(help="Most flow runs executed at once by this process.")] = None
+          ) -> None:
+    """Register the finetune / retrain / export deployments with a Prefect server and run their flow runs."""
+    _environment()
+    if not os.environ.get("PREFECT_API_URL"):
+        typer.echo("error: memfit serve needs a Prefect server: start one (prefect server start --host 127.0.0.1) "
+                   "and set PREFECT_API_URL=http://127.0.0.1:4200/api", err=True)
+        raise typer.Exit(2)
+    try:
+        cfg = _load(config, set_)
+        from flows.deploy import serve_deployments
+
+        serve_deployments(cfg, limit=limit)
+    except MemfitError as err:
+        _fail(err)
+
+
 @app.command("config")
 def show_config(config: ConfigArg = None, set_: SetOpt = None) -> None:
     """Print the resolved config (defaults + file + overrides) as YAML."""

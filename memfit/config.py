@@ -140,6 +140,36 @@ class ExportConfig(_Section):
     opset: int | None = Field(None, ge=13, description="ONNX opset; default: the exporter's.")
 
 
+class DeployConfig(_Section):
+    """How `memfit serve` registers the Prefect deployments (finetune, retrain, export)."""
+
+    retrain_cron: str | None = Field(None, description="Cron schedule of the retrain deployment, e.g. "
+                                     "'0 3 * * *' (03:00 daily); unset: no schedule, runs only on demand.")
+    timezone: str = Field("UTC", description="IANA time zone the cron schedule is read in, e.g. Europe/Berlin.")
+    training_slots: int = Field(1, ge=1, le=64, description="Runs that may train at once on this machine: a "
+                                "Prefect global concurrency limit, so two runs never share one GPU.")
+    concurrency_key: str = Field("memfit-training", min_length=1,
+                                 description="Name of the Prefect global concurrency limit held while training.")
+
+    @field_validator("retrain_cron")
+    @classmethod
+    def _cron(cls, v: str | None) -> str | None:
+        if v is not None and len(v.split()) not in (5, 6):
+            raise ValueError(f"deploy.retrain_cron: {v!r} is not a cron expression (5 fields, e.g. '0 3 * * *')")
+        return v
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, v: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(v)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {v!r}; use an IANA name such as UTC or Europe/Berlin") from None
+        return v
+
+
 class MemfitConfig(_Section):
     """The whole config tree: every YAML in configs/ and every flow parameter is one of these."""
 
@@ -151,6 +181,7 @@ class MemfitConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
