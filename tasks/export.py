@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from memfit import pipeline
@@ -30,4 +30,20 @@ def export_task(config: MemfitConfig, trained: TrainReport) -> ExportReport:
             f"| MLflow run | `{trained.mlflow_run_id}` |",
         ]),
     )
+    _link_mlflow_run(config, trained.mlflow_run_id)
     return report
+
+
+def _link_mlflow_run(config: MemfitConfig, run_id: str) -> None:
+    if config.tracking.backend != "mlflow" or not run_id:
+        return
+    from memfit.tracking.mlflow_tracker import run_url
+
+    uri = config.tracking.resolved_uri()
+    url = run_url(uri, run_id)
+    if url:
+        create_link_artifact(key="mlflow-run", link=url, link_text=f"MLflow run {run_id}")
+    else:
+        create_markdown_artifact(key="mlflow-run", description="Where the MLflow run is", markdown=(
+            f"MLflow run `{run_id}` is in the local store `{uri}`.\n\n"
+            f"Open it with `mlflow ui --backend-store-uri {uri}` and browse to the run id."))

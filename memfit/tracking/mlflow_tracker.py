@@ -131,3 +131,13 @@ class MLflowTracker:
 
     def describe(self) -> str:
         return f"MLflow at {self.tracking_uri}, experiment {self.experiment!r}"
+
+
+def run_url(tracking_uri: str, run_id: str) -> str | None:
+    """The MLflow UI page of a run when the tracking URI is a server; None for local stores."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return None
+    from mlflow import MlflowClient
+
+    exp_id = MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"
