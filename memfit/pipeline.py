@@ -232,11 +232,12 @@ def _log_training_end(tracker: Any, plan: PlanReport, probe_report: ProbeReport 
     """The memory figure and the tracking overhead; the run stays open for phase 5 (which ends it)."""
     from memfit.evaluation import log_memory_figure
 
-    fraction = getattr(tracker, "overhead_fraction", lambda: None)()
-    if fraction is not None:
-        log.info("metric logging took %.4f%% of step time on the training thread", 100 * fraction)
-        tracker.log_metrics({"tracking_overhead_fraction": fraction}, step=steps)
     tracker.flush()
+    overhead = getattr(tracker, "overhead", lambda: None)()
+    if overhead is not None:
+        log.info("metric logging took %.3f%% of step time on the training thread (+%.3f%% in its writer thread)",
+                 100 * overhead["tracking_overhead_fraction"], 100 * overhead["tracking_writer_fraction"])
+        tracker.log_metrics(overhead, step=steps)
     log_memory_figure(tracker, probe_report.baseline if probe_report else None, plan.model_dump())
     close = getattr(tracker, "close", None)
     if close is not None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 import urllib.error
@@ -100,6 +102,7 @@ class MLflowTracker:
         self._lock = threading.Lock()
         self.caller_seconds = 0.0  # time log_metrics spent on the caller's (training) thread
         self.step_seconds = 0.0  # sum of the step_time_s values it was given, to relate the two
+        self.writer_seconds = 0.0  # time the writer thread spent in log_batch (off the training thread)
 
     def _experiment_id(self) -> str:
         exp = self.client.get_experiment_by_name(self.experiment)
@@ -108,12 +111,21 @@ class MLflowTracker:
                 self.client.restore_experiment(exp.experiment_id)
             return exp.experiment_id
         try:
-            return self.client.create_experiment(self.experiment)
+            return self.client.create_experiment(self.experiment, artifact_location=self._artifact_location())
         except Exception:  # noqa: BLE001 - another process created it in between
             exp = self.client.get_experiment_by_name(self.experiment)
             if exp is None:
                 raise
             return exp.experiment_id
+
+    def _artifact_location(self) -> str | None:
+        """SQLite stores keep artifacts beside the database (MLflow's default is ./mlruns of whatever cwd)."""
+        if not self.tracking_uri.startswith("sqlite:///"):
+            return None  # a server decides (--artifacts-destination); other stores keep their defaults
+        db = Path(self.tracking_uri[len("sqlite:///"):]).expanduser().absolute()
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", self.experiment)[:60]
+        digest = hashlib.sha256(self.experiment.encode()).hexdigest()[:8]
+        return (db.parent / "mlruns" / f"{slug}-{digest}").as_uri()
 
     def start_run(self, run_name: str, run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
         """A new run, or the run `run_id` continued (after a preemption), reopened as RUNNING."""
@@ -191,8 +203,12 @@ class MLflowTracker:
             self._inflight.append(self._writer.submit(self._write, self.run_id, pending))
 
     def _write(self, run_id: str, metrics: list[Any]) -> None:
-        for i in range(0, len(metrics), 1000):  # MLflow accepts at most 1000 metrics per batch
-            self.client.log_batch(run_id, metrics=metrics[i:i + 1000])
+        t0 = time.perf_counter()
+        try:
+            for i in range(0, len(metrics), 1000):  # MLflow accepts at most 1000 metrics per batch
+                self.client.log_batch(run_id, metrics=metrics[i:i + 1000])
+        finally:
+            self.writer_seconds += time.perf_counter() - t0
 
     def flush(self) -> None:
         """Write everything buffered and wait for it; TrackingError if a batch could not be written."""
@@ -209,9 +225,12 @@ class MLflowTracker:
             raise TrackingError(f"tracking: {len(errors)} metric batch(es) could not be written to "
                                 f"{display_uri(self.tracking_uri)}: {errors[0]}")
 
-    def overhead_fraction(self) -> float | None:
-        """Time metric logging took on the training thread, as a fraction of the step time it logged."""
-        return self.caller_seconds / self.step_seconds if self.step_seconds > 0 else None
+    def overhead(self) -> dict[str, float] | None:
+        """Metric logging time as fractions of the step time logged: on the training thread, and in the writer."""
+        if self.step_seconds <= 0:
+            return None
+        return {"tracking_overhead_fraction": self.caller_seconds / self.step_seconds,
+                "tracking_writer_fraction": self.writer_seconds / self.step_seconds}
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
