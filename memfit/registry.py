@@ -156,18 +156,22 @@ def log_model(client: Any, tracking_uri: str, run_id: str, export_dir: str | Pat
     if digest:
         found = client.search_logged_models(
             experiment_ids=[run.info.experiment_id],
-            filter_string=f"source_run_id = '{run_id}' AND tags.`memfit.weights` = '{digest}'", max_results=1)
-        if found:
-            return f"models:/{found[0].model_id}", found[0].model_id
+            filter_string=f"source_run_id = '{run_id}' AND tags.`memfit.weights` = '{digest}'", max_results=20)
+        ready = [m for m in found if str(getattr(m.status, "name", m.status)).upper().endswith("READY")]
+        if ready:
+            return f"models:/{ready[0].model_id}", ready[0].model_id
     signature = ModelSignature(inputs=Schema([ColSpec("string", "prompt")]), outputs=Schema([ColSpec("string")]),
                                params=ParamSchema([ParamSpec("max_new_tokens", "long", 32)]))
+    # Created here, in the run's experiment: left to itself, mlflow files it under the *active* experiment.
+    logged = client.create_logged_model(run.info.experiment_id, name=name, source_run_id=run_id,
+                                        tags={"memfit.weights": digest or "unknown"}, params=run.data.params)
     with _tracking_uri(tracking_uri), warnings.catch_warnings():
         # Nothing to act on: the signature is explicit, and an input example would load the model again.
         warnings.filterwarnings("ignore", message=".*(type hint|input example|input_example).*")
         info = mlflow.models.Model.log(
-            None, name=name, flavor=mlflow.pyfunc, run_id=run_id, python_model=str(MODEL_CODE),
-            artifacts={"hf": str(export_dir)}, pip_requirements=_requirements(), signature=signature,
-            metadata=metadata, tags={"memfit.weights": digest or "unknown"})
+            None, name=name, flavor=mlflow.pyfunc, run_id=run_id, model_id=logged.model_id,
+            python_model=str(MODEL_CODE), artifacts={"hf": str(export_dir)}, pip_requirements=_requirements(),
+            signature=signature, metadata=metadata)
     return info.model_uri, info.model_id
 
 
@@ -184,7 +188,7 @@ def register(client: Any, name: str, model_uri: str, run_id: str, model_id: str 
             raise
     for mv in client.search_model_versions(f"name = '{_quote(name)}' and run_id = '{run_id}'"):
         if mv.source == model_uri or (model_id and getattr(mv, "model_id", None) == model_id):
-            return str(mv.version)
+            return str(mv.version)  # a re-run of a finished run: the same model, already registered
     # The SQL registry store looks the logged model up through the *global* tracking URI.
     with _tracking_uri(client.tracking_uri):
         mv = client.create_model_version(name, source=model_uri, run_id=run_id, model_id=model_id,
