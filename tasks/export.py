@@ -28,6 +28,19 @@ def export_task(config: MemfitConfig, trained: TrainReport) -> ExportReport:
             f"| ONNX | {onnx} |",
             f"| from training checkpoint | `{report.source_checkpoint}` |",
             f"| MLflow run | `{trained.mlflow_run_id}` |",
+            *_registry_rows(report),
         ]),
     )
     return report
+
+
+def _registry_rows(report: ExportReport) -> list[str]:
+    rows = [f"| uploaded to | `{report.export_uri}` |"] if report.export_uri else []
+    r = report.registry
+    if r:
+        verdict = "passed" if r["gate_passed"] else "**failed**"
+        rows.append(f"| eval gate | {verdict}: {r['gate_reason']} |")
+        rows.append(f"| registered | `{r['model_name']}` version {r['version']} → alias `{r['alias']}` |"
+                    if r["version"] else "| registered | no (the champion is unchanged) |")
+    rows += [f"| sample: `{g['prompt']}` | `{g['completion']}` |" for g in report.generations[:5]]
+    return rows
