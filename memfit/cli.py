@@ -67,6 +67,10 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False)
         typer.echo(f"done: {summary.steps} steps, val loss {summary.initial_val_loss:.4f} -> "
                    f"{summary.final_val_loss:.4f}; MLflow run {summary.mlflow_run_id} at {summary.tracking_uri}; "
                    f"export {summary.safetensors_dir}" + (f" + {summary.onnx_path}" if summary.onnx_path else ""))
+        if summary.gate_passed is not None:
+            typer.echo(f"eval gate {'passed' if summary.gate_passed else 'FAILED'} ({summary.gate_reason}); "
+                       + (f"registered {summary.registered_model} version {summary.model_version}"
+                          if summary.model_version else "nothing registered"))
 
 
 @app.command()

@@ -42,5 +42,6 @@ def _registry_rows(report: ExportReport) -> list[str]:
         rows.append(f"| eval gate | {verdict}: {r['gate_reason']} |")
         rows.append(f"| registered | `{r['model_name']}` version {r['version']} → alias `{r['alias']}` |"
                     if r["version"] else "| registered | no (the champion is unchanged) |")
-    rows += [f"| sample: `{g['prompt']}` | `{g['completion']}` |" for g in report.generations[:5]]
+    cell = lambda text: str(text).replace("|", "\\|").replace("\n", " ")  # noqa: E731 - one table cell
+    rows += [f"| sample: `{cell(g['prompt'])}` | `{cell(g['completion'])}` |" for g in report.generations[:5]]
     return rows

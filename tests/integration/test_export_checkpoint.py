@@ -132,9 +132,11 @@ def test_onnx_parity_failure_reports_the_difference_and_keeps_safetensors(traine
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "hf").config.use_cache is True
 
 
-def test_export_from_s3_checkpoint_and_upload_to_s3(trained, s3_bucket, s3_client, tmp_path):
+def test_export_flow_from_s3_checkpoint_and_upload_to_s3(prefect_harness, trained, s3_bucket, s3_client, tmp_path):
+    """The Prefect export flow (what a deployment runs) on a checkpoint in S3, uploading the export to S3."""
     from transformers import AutoModelForCausalLM
 
+    from flows.export import export
     from memfit.exporting import download_export, export_checkpoint
     from memfit.storage import open_store
 
@@ -144,8 +146,8 @@ def test_export_from_s3_checkpoint_and_upload_to_s3(trained, s3_bucket, s3_clien
         folder = trained / step
         for f in sorted(folder.iterdir(), key=lambda p: p.name == "manifest.json"):  # manifest last
             store.put_file(f, f"{step}/{f.name}")
-    report = export_checkpoint(f"s3://{bucket}/runs/tiny/checkpoints", tmp_path / "out", onnx=False,
-                               upload_uri=f"s3://{bucket}/exports/tiny")
+    report = export(checkpoint_uri=f"s3://{bucket}/runs/tiny/checkpoints", out_dir=str(tmp_path / "out"), onnx=False,
+                    upload_uri=f"s3://{bucket}/exports/tiny")
     assert report["checkpoint"] == f"s3://{bucket}/runs/tiny/checkpoints/step-00000004"
     assert report["uploaded_uri"] == f"s3://{bucket}/exports/tiny"
     keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket, Prefix="exports/tiny/")["Contents"]]

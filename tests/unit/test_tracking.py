@@ -135,3 +135,16 @@ def test_plan_table_lists_plan_and_probe():
                     {"peak_bytes": 2e9, "budget_bytes": 1e9, "fits": False, "breakdown": {"activation": 1.5e9}})
     assert "| policy | full |" in md and "Why: over budget" in md
     assert "| peak | 2.0000 GB |" in md and "| activation | 1.5000 GB |" in md and "| fits | False |" in md
+
+
+def test_preflight_checks_the_tracking_server_before_any_work(tmp_path, caplog):
+    from memfit import pipeline
+
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    outputs = [f"run.work_dir={tmp_path / 'w'}", f"export.dir={tmp_path / 'e'}", f"checkpoint.uri={tmp_path / 'c'}",
+               f"tracking.uri={uri}"]
+    with pytest.raises(TrackingError, match=f"tracking.uri {uri}: MLflow server unreachable"):
+        pipeline.preflight(config.load(None, outputs))
+    with caplog.at_level(logging.WARNING, logger="memfit.tracking"):
+        pipeline.preflight(config.load(None, [*outputs, "tracking.required=false"]))
+    assert any("WITHOUT tracking" in r.getMessage() for r in caplog.records)
