@@ -23,7 +23,8 @@ def _config(root: Path, mode: str, steps: int):
     from memfit import config
 
     return config.load(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml", [
-        f"run.work_dir={root / 'work'}", f"checkpoint.uri={root / mode / 'ckpt'}", f"export.dir={root / 'export'}",
+        f"run.work_dir={root / 'work'}", f"checkpoint.uri={root / f'{mode}-{time.monotonic_ns()}' / 'ckpt'}",
+        f"export.dir={root / 'export'}",
         f"tracking.uri=sqlite:///{root / 'mlflow.db'}", "tracking.experiment=bench",
         f"tracking.backend={'null' if mode == 'null' else 'mlflow'}", f"train.max_steps={steps}",
         f"checkpoint.every_steps={steps}", "data.synthetic_docs=600"])
@@ -62,7 +63,7 @@ def run_mode(root: Path, mode: str, steps: int) -> dict[str, float]:
                 fut.result()
         MLflowTracker._submit = inline
     try:
-        cfg = _config(root, f"{mode}-{time.monotonic_ns()}", steps)
+        cfg = _config(root, mode, steps)
         probe = pipeline.probe(cfg)
         plan = pipeline.setup_stack(cfg, probe)
         t0 = time.perf_counter()

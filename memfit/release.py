@@ -48,7 +48,7 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                "onnx_max_abs_diff": files.onnx_max_abs_diff, "export": files.dir, "uploaded_to": files.uploaded_uri,
                **({"gate": outcome.gate_reason, "registered": f"{outcome.model_name} v{outcome.version}"
                    if outcome.version else "no"} if outcome else {})}
-    tracker.set_tags({**tags, "mlflow.note.content": run_description(summary)})
+    tracker.set_tags({**tags, "memfit.status": "completed", "mlflow.note.content": run_description(summary)})
     return ExportReport(final_val_loss=metrics["val_loss"], final_val_perplexity=metrics["val_perplexity"],
                         safetensors_dir=files.safetensors_dir, safetensors_max_abs_diff=files.safetensors_max_abs_diff,
                         onnx_path=files.onnx_path, onnx_max_abs_diff=files.onnx_max_abs_diff,

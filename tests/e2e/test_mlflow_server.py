@@ -126,7 +126,7 @@ def test_preempted_run_resumes_in_one_run_and_registers(mlflow_server, s3_env, s
     exp_id = client.get_experiment_by_name("tests").experiment_id
     (run,) = client.search_runs([exp_id])  # ONE run for both segments and the export
     assert run.info.run_id == killed.info.run_id and run.info.status == "FINISHED"
-    assert run.data.tags["memfit.resumed_from_step"] == "5"
+    assert run.data.tags["memfit.resumed_from_step"] == "5" and run.data.tags["memfit.status"] == "completed"
     loss_steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
     assert sorted(loss_steps) == list(range(1, 9))  # before and after the preemption, each step once
     system = [m.step for m in client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")]
