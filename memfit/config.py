@@ -117,7 +117,7 @@ class TrackingConfig(_Section):
     uri: str | None = Field(None, description="MLflow tracking URI. Unset: $MLFLOW_TRACKING_URI, "
                             "else sqlite:///mlflow.db in the working folder.")
     experiment: str = Field("memfit", min_length=1, description="MLflow experiment name.")
-    required: bool = Field(True, description="An unreachable tracking server fails the run before any work "
+    fail_if_unreachable: bool = Field(True, description="An unreachable tracking server fails the run before any work "
                            "(naming the URI); false: warn and continue with the null tracker.")
     system_metrics: bool = Field(True, description="Log MLflow system metrics (CPU, memory, disk, network; "
                                  "GPU through pynvml when installed) as system/* metrics.")
@@ -183,6 +183,9 @@ class DeployConfig(_Section):
                                 "Prefect global concurrency limit, so two runs never share one GPU.")
     concurrency_key: str = Field("memfit-training", min_length=1,
                                  description="Name of the Prefect global concurrency limit held while training.")
+    retrain_data_uri: str | None = Field(
+        None, description="Where scheduled retraining finds new data: a folder or s3://bucket/prefix of "
+        ".txt/.jsonl files; the newest by name (e.g. 2026-11-30.jsonl) is used.")
 
     @field_validator("retrain_cron")
     @classmethod

@@ -237,8 +237,14 @@ def fetch_champion(tracking_uri: str, name: str, dest: str | Path, alias: str = 
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     try:
-        local = Path(download_artifacts(artifact_uri=f"models:/{name}@{alias}", dst_path=str(dest),
-                                        tracking_uri=tracking_uri))
+        from mlflow import MlflowClient
+
+        # Resolve the alias with a client bound to this store: `models:/` URIs otherwise go through the
+        # process-wide registry URI, which may point at another store.
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        version = client.get_model_version_by_alias(name, alias).version
+        source = client.get_model_version_download_uri(name, version)
+        local = Path(download_artifacts(artifact_uri=source, dst_path=str(dest), tracking_uri=tracking_uri))
     except Exception as err:  # noqa: BLE001 - MlflowException and transport errors alike
         raise TrackingError(f"registry: cannot download models:/{name}@{alias} ({err})") from None
     folder = local / "artifacts" / "hf"

@@ -12,7 +12,7 @@ log = logging.getLogger("memfit.tracking")
 
 
 def make_tracker(tracking_cfg) -> Tracker:
-    """The configured tracker; an unreachable store fails (tracking.required) or falls back to null, warning."""
+    """The configured tracker; an unreachable store fails (tracking.fail_if_unreachable) or falls back to null, warning."""
     if tracking_cfg.backend == "null":
         return NullTracker()
     from memfit.tracking.mlflow_tracker import MLflowTracker
@@ -22,9 +22,9 @@ def make_tracker(tracking_cfg) -> Tracker:
                              system_metrics=tracking_cfg.system_metrics,
                              system_metrics_interval_s=tracking_cfg.system_metrics_interval_s)
     except TrackingError as err:
-        if tracking_cfg.required:
+        if tracking_cfg.fail_if_unreachable:
             raise
-        log.warning("%s; continuing WITHOUT tracking (tracking.required=false)", err)
+        log.warning("%s; continuing WITHOUT tracking (tracking.fail_if_unreachable=false)", err)
         return NullTracker()
 
 
@@ -37,9 +37,9 @@ def check_tracking(tracking_cfg) -> None:
     try:
         check_reachable(tracking_cfg.resolved_uri())
     except TrackingError as err:
-        if tracking_cfg.required:
+        if tracking_cfg.fail_if_unreachable:
             raise
-        log.warning("%s; the run goes on WITHOUT tracking (tracking.required=false)", err)
+        log.warning("%s; the run goes on WITHOUT tracking (tracking.fail_if_unreachable=false)", err)
 
 
 __all__ = ["NullTracker", "Tracker", "check_tracking", "make_tracker", "redact", "scrub"]

@@ -78,7 +78,7 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
     except (urllib.error.URLError, OSError) as err:
         raise TrackingError(f"tracking.uri {shown}: MLflow server unreachable ({getattr(err, 'reason', err)}); "
                             "start it or fix tracking.uri / MLFLOW_TRACKING_URI, or set "
-                            "tracking.required=false to run without tracking") from None
+                            "tracking.fail_if_unreachable=false to run without tracking") from None
 
 
 class MLflowTracker:

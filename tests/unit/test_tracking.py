@@ -94,7 +94,7 @@ def test_gate_config_is_validated():
         config.load(None, ["registry.alias=has space"])
     cfg = config.load(None, ["eval.gate.max_perplexity=20", "registry.model_name=mine"])
     assert cfg.eval.gate.max_perplexity == 20 and cfg.eval.gate.beat_champion is True
-    assert cfg.registry.model_name == "mine" and cfg.tracking.required is True
+    assert cfg.registry.model_name == "mine" and cfg.tracking.fail_if_unreachable is True
 
 
 def _closed_port() -> int:
@@ -109,13 +109,13 @@ def test_unreachable_server_fails_early_naming_the_uri_without_its_password():
     with pytest.raises(TrackingError) as err:
         make_tracker(cfg.tracking)
     msg = str(err.value)
-    assert "127.0.0.1" in msg and "unreachable" in msg and "tracking.required=false" in msg
+    assert "127.0.0.1" in msg and "unreachable" in msg and "tracking.fail_if_unreachable=false" in msg
     assert "hunter2-planted" not in msg
 
 
 def test_optional_tracking_warns_and_falls_back_to_null(caplog):
     uri = f"http://127.0.0.1:{_closed_port()}"
-    cfg = config.load(None, [f"tracking.uri={uri}", "tracking.required=false"])
+    cfg = config.load(None, [f"tracking.uri={uri}", "tracking.fail_if_unreachable=false"])
     with caplog.at_level(logging.WARNING, logger="memfit.tracking"):
         tracker = make_tracker(cfg.tracking)
     assert isinstance(tracker, NullTracker)
@@ -146,5 +146,5 @@ def test_preflight_checks_the_tracking_server_before_any_work(tmp_path, caplog):
     with pytest.raises(TrackingError, match=f"tracking.uri {uri}: MLflow server unreachable"):
         pipeline.preflight(config.load(None, outputs))
     with caplog.at_level(logging.WARNING, logger="memfit.tracking"):
-        pipeline.preflight(config.load(None, [*outputs, "tracking.required=false"]))
+        pipeline.preflight(config.load(None, [*outputs, "tracking.fail_if_unreachable=false"]))
     assert any("WITHOUT tracking" in r.getMessage() for r in caplog.records)
