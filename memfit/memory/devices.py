@@ -57,8 +57,8 @@ PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
     _gpu("t4", 15360, 65, 65, 8.1, 0.32, bf16=False),
     # This machine kind (2 AVX-512 cores): measured orders of magnitude; memory is the host's RAM.
     DeviceProfile(name="cpu", kind="cpu", memory_bytes=24 * GIB, reserved_bytes=2 * GIB,
-                  matmul_flops={"float32": 1.0e11, "bfloat16": 0.8e11, "float16": 0.2e11},
-                  bandwidth=1.2e10, op_overhead_s=1.5e-5, bf16=True),
+                  matmul_flops={"float32": 1.5e11, "bfloat16": 1.5e11, "float16": 0.3e11},
+                  bandwidth=3e10, op_overhead_s=1e-5, bf16=True),
 )}
 
 _ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "4090": "rtx-4090", "rtx4090": "rtx-4090",

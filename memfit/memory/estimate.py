@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -124,10 +122,6 @@ def fake_tracing() -> Iterator[Any]:
             masking_utils.find_packed_sequence_indices = original
 
 
-def _fingerprint(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 class Estimator:
     """Estimates for one model and workload on one target device; traces are cached per candidate.
 
@@ -155,8 +149,6 @@ class Estimator:
         self._statics: dict[tuple, StaticTrace] = {}
         self._traces: dict[tuple, KindTrace] = {}
         self.trace_seconds = 0.0
-        self.key = _fingerprint(hf_config.to_dict(), seq_len, profile.name, self.save_ops, block_class,
-                                lora_cfg.model_dump() if lora_cfg is not None else None)
 
     # -- tracing -----------------------------------------------------------------------------------------
     def _build(self, n: int, stack: Stack, mode: Any) -> torch.nn.Module:
@@ -251,9 +243,6 @@ class Estimator:
         method = (f"fake-tensor trace of a {min(self.n_blocks, PROXY_BLOCKS)}-block proxy per block kind, "
                   f"composed to {self.n_blocks} blocks; optimizer step traced at full depth")
         return compose(self.static(stack), traces, list(kinds), stack, method)
-
-    def estimate_many(self, stack: Stack, assignments: Iterable[Sequence[str]]) -> list[Estimate]:
-        return [self.estimate(stack, kinds) for kinds in assignments]
 
 
 def interpolate(lo: KindTrace, hi: KindTrace, t: float) -> KindTrace:

@@ -111,14 +111,17 @@ def _table(candidates: Sequence[Estimate], chosen: Estimate | None, limit: int |
 
 def choose(candidates: Sequence[Estimate], budget_bytes: int | None, *, configured: Stack, baseline: Estimate,
            safety_margin: float = 0.05, budget_source: str = "memory.budget_gb",
-           fixed_policy: str | None = None) -> Plan:
+           fixed_policy: str | None = None, activation_budget: int | None = None) -> Plan:
     """The fastest candidate whose predicted peak fits `budget_bytes` less the safety margin.
 
     Never a candidate whose estimate exceeds that limit; when none fits, `fits` is False and `error` says
-    what the leanest candidate needs and which knob would help.
+    what the leanest candidate needs and which knob would help. `activation_budget` additionally caps the
+    activations alive after the forward (the benchmark states its budgets that way).
     """
     limit = None if budget_bytes is None else int(budget_bytes * (1.0 - safety_margin))
-    fitting = [e for e in candidates if limit is None or e.peak_bytes <= limit]
+    act_limit = None if activation_budget is None else int(activation_budget * (1.0 - safety_margin))
+    fitting = [e for e in candidates if (limit is None or e.peak_bytes <= limit)
+               and (act_limit is None or e.activation_bytes <= act_limit)]
     base_s = baseline.step_seconds
     if fitting:
         chosen = min(fitting, key=lambda e: rank_key(e, configured))
