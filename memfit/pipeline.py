@@ -157,7 +157,9 @@ def setup_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
     profile = target_profile(cfg.memory, device)
     budget, source = resolve_budget(cfg.memory, profile, device)
     plan = plan_for(cfg, profile, budget, source, hf_config=_hf_config(probe_report.architecture))
-    if not plan.fits and cfg.memory.policy == "auto":
+    weights = plan.chosen.weight_bytes if plan.chosen is not None else None
+    if not plan.fits and (cfg.memory.policy == "auto" or (budget is not None and weights and weights > budget)):
+        # The planner found nothing, or even a forced policy cannot hold the weights themselves.
         raise MemoryBudgetError(plan.error or "no stack fits the memory budget")
     if not plan.fits:
         log.warning("memory.policy=%s is predicted not to fit: %s", cfg.memory.policy, plan.error)

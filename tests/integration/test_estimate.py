@@ -43,7 +43,7 @@ def measure(model, kinds, stack: Stack) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("arch, stack, policies", [
-    ("llama", Stack("fp32", 4, 1, False), ["none", "full", "every_2"]),
+    ("llama", Stack("fp32", 4, 1, False), ["none", "every_2"]),
     ("gpt2", Stack("bf16-mixed", 2, 2, False), ["none", "selective"]),
 ])
 def test_estimate_matches_the_measured_step(arch, stack, policies):
@@ -61,10 +61,10 @@ def test_estimate_matches_the_measured_step(arch, stack, policies):
 
 
 def test_composed_estimate_matches_a_whole_depth_trace():
-    cfg = tiny("llama", layers=6).config
+    cfg = tiny("llama", layers=5).config
     stack = Stack("bf16-mixed", 2, 2, False)
     est = Estimator(cfg, SEQ, PROFILES["cpu"], save_ops=SAVE_OPS)
-    for kinds in (mixed_kinds(6, {"full": 2, "selective": 2, "none": 2}),):
+    for kinds in (mixed_kinds(5, {"full": 2, "selective": 2, "none": 1}),):
         composed = est.estimate(stack, kinds)
         whole = trace_whole_step(cfg, stack, kinds, SEQ, PROFILES["cpu"], save_ops=SAVE_OPS)
         assert composed.peak_bytes == pytest.approx(whole["peak_bytes"], rel=0.01)
@@ -72,12 +72,12 @@ def test_composed_estimate_matches_a_whole_depth_trace():
 
 
 def test_interpolated_micro_batches_never_underestimate():
-    cfg = tiny("llama", layers=3).config
+    cfg = tiny("llama", layers=2).config
     anchored = Estimator(cfg, SEQ, PROFILES["cpu"], save_ops=SAVE_OPS, anchor_micro_batch=8)
     exact = Estimator(cfg, SEQ, PROFILES["cpu"], save_ops=SAVE_OPS)
     for kind in ("none", "full"):
         stack = Stack("fp32", 4, 4, False)
-        a, e = anchored.estimate(stack, [kind] * 3), exact.estimate(stack, [kind] * 3)
+        a, e = anchored.estimate(stack, [kind] * 2), exact.estimate(stack, [kind] * 2)
         assert e.peak_bytes <= a.peak_bytes <= e.peak_bytes * 1.01
         assert a.activation_bytes == pytest.approx(e.activation_bytes, rel=0.001)
 

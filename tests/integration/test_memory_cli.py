@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from memfit import pipeline
+from memfit.errors import MemoryBudgetError
 from memfit.reports import PlanReport
 
 pytestmark = pytest.mark.integration
@@ -66,17 +67,20 @@ def test_plan_and_estimate_bad_input():
 def test_lora_with_checkpointing_trains_adapters_and_exports_merged(tiny_config):
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(**{"lora.enabled": "true", "lora.r": 4, "memory.policy": "full", "train.max_steps": 4,
-                         "tracking.backend": "null"})
+    cfg = tiny_config(**{"lora.enabled": "true", "lora.r": 4, "memory.policy": "full", "train.max_steps": 2,
+                         "train.eval_batches": 1, "tracking.backend": "null"})
     report = pipeline.probe(cfg)
     plan = pipeline.setup_stack(cfg, report)
     assert plan.lora is True and plan.policy == "full" and plan.predicted_peak_bytes > 0
     result = pipeline.train(cfg, plan, pipeline.recover(cfg), report)
-    assert result.steps == 4
+    assert result.steps == 2
     exported = pipeline.evaluate_and_export(cfg, result)
     model = AutoModelForCausalLM.from_pretrained(exported.safetensors_dir)
     assert not any("lora" in k for k in model.state_dict())
     assert exported.final_val_loss < 50
+    # Even a forced policy cannot run when the budget is below the weights themselves.
+    with pytest.raises(MemoryBudgetError, match="memory.budget_gb.*below the model's weights alone"):
+        pipeline.setup_stack(tiny_config(**{"memory.policy": "full", "memory.budget_gb": 1e-5}), report)
 
 
 def test_a_planned_mix_is_applied_block_by_block(tiny_config):
