@@ -117,8 +117,9 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         return choose([chosen], budget, configured=configured, baseline=baseline,
                       safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=policy)
     limit = None if budget is None else budget * (1.0 - cfg.memory.safety_margin)
-    if limit is None or baseline.peak_bytes <= limit:
+    if limit is None or baseline.peak_bytes <= limit or (budget is not None and baseline.weight_bytes > budget):
         # No recompute and the configured micro-batch fit: nothing can be faster, nothing else to trace.
+        # (Or the weights alone exceed the budget: nothing else can fit either.)
         return choose([baseline], budget, configured=configured, baseline=baseline,
                       safety_margin=cfg.memory.safety_margin, budget_source=source)
     kinds = ("none", "selective", "full") + (("offload",) if profile.kind == "cuda" else ())
