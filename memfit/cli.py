@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from memfit.errors import MemfitError
+from memfit.errors import ConfigError, MemfitError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune language models on the GPU you have; keep runs alive on spot machines.")
@@ -108,6 +108,65 @@ def serve(config: ConfigArg = None, set_: SetOpt = None,
         serve_deployments(cfg, limit=limit)
     except MemfitError as err:
         _fail(err)
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="Target device profile: a100-40gb, a100-80gb, "
+                                                "h100-80gb, h200, l4, rtx-4090, t4, cpu.")]
+BudgetOpt = Annotated[float | None, typer.Option("--budget-gb", help="Memory budget in GB (overrides the device's).")]
+
+
+@app.command()
+def estimate(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None, budget_gb: BudgetOpt = None,
+             policy: Annotated[str | None, typer.Option("--policy", help="Gradient-checkpointing policy to estimate "
+                                                        "(default: memory.policy).")] = None,
+             as_json: JsonOpt = False) -> None:
+    """Predict the peak memory of one training step (params, grads, optimizer, activations, other) without
+    allocating it: the step runs on fake tensors, so any model size works from its config.json alone."""
+    _environment()
+    try:
+        cfg = _load(config, set_)
+        from memfit.memory.search import estimate_report
+
+        if policy is not None and policy not in ("auto", "none", "full", "every_k", "selective", "offload"):
+            raise ConfigError(f"--policy: unknown policy {policy!r}; choose one of auto, none, full, every_k, "
+                              "selective, offload")
+        out = estimate_report(cfg, device, budget_gb, policy)
+    except MemfitError as err:
+        _fail(err)
+    if as_json:
+        typer.echo(json.dumps(out, sort_keys=True))
+        return
+    gb = 1e9
+    typer.echo(f"{out['policy']} on {out['device']}, {out['precision']}, micro-batch {out['micro_batch_size']} x "
+               f"{out['grad_accum_steps']} x {out['seq_len']} tokens{', LoRA' if out['lora'] else ''}: "
+               f"peak {out['total_bytes'] / gb:.3f} GB ({out['peak_at']})")
+    for k, v in out["breakdown"].items():
+        typer.echo(f"  {k:<12} {v / gb:10.3f} GB")
+    if out["budget_bytes"] is not None:
+        typer.echo(f"  budget {out['budget_bytes'] / gb:.3f} GB ({out['budget_source']}): "
+                   f"{'fits' if out['fits'] else 'does NOT fit'}")
+
+
+@app.command()
+def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None, budget_gb: BudgetOpt = None,
+         as_json: JsonOpt = False) -> None:
+    """Choose the optimisation stack (checkpointing per block, precision, micro-batch, LoRA) that fits the
+    budget with the least predicted slowdown, and show the candidates it weighed."""
+    _environment()
+    try:
+        cfg = _load(config, set_)
+        from memfit.memory.search import plan_report, plan_table_markdown
+
+        result, out = plan_report(cfg, device, budget_gb)
+    except MemfitError as err:
+        _fail(err)
+    if as_json:
+        typer.echo(json.dumps(out, sort_keys=True))
+    else:
+        typer.echo(result.reason)
+        typer.echo(plan_table_markdown(result))
+    if not out["fits"]:
+        if not as_json:
+            typer.echo(f"error: {out['error']}", err=True)
+        raise typer.Exit(2)
 
 
 @app.command("config")

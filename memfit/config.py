@@ -90,17 +90,62 @@ class TrainConfig(_Section):
 
 class MemoryConfig(_Section):
     policy: Literal["auto", "none", "full", "every_k", "selective", "offload"] = Field(
-        "auto", description="Gradient checkpointing policy; auto picks from the baseline probe and the budget. "
-        "selective saves matmul/attention outputs and recomputes the rest; offload (GPU only) keeps the "
-        "checkpointed inputs in pinned CPU memory.")
-    every_k: int = Field(2, ge=1, description="every_k: checkpoint one decoder block in every k.")
+        "auto", description="Gradient checkpointing policy. auto: the planner estimates every candidate stack "
+        "and picks the fastest that fits the budget (it may mix kinds per block). selective saves matmul/"
+        "attention outputs and recomputes the rest; offload (GPU only) keeps the checkpointed inputs in pinned "
+        "CPU memory. A fixed policy overrides the planner.")
+    every_k: int = Field(2, ge=1, description="every_k: checkpoint one decoder block in every k (blocks 0, k, 2k...).")
     selective_save_ops: list[str] = Field(
         default_factory=lambda: ["mm", "addmm", "bmm", "_scaled_dot_product_efficient_attention",
-                                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"],
+                                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                                 "_scaled_dot_product_flash_attention_for_cpu"],
         description="selective: aten ops whose outputs are saved; every other op inside a block is recomputed.")
+    block_class: str | None = Field(
+        None, description="Class name of the decoder block to checkpoint (e.g. LlamaDecoderLayer), for models "
+        "whose block list memfit does not find by itself. Unset: found automatically.")
     budget_gb: float | None = Field(
-        None, gt=0.0, description="Memory budget in GB (1e9 bytes); on CPU a simulated budget. "
-        "Unset: the device's free memory.")
+        None, gt=0.0, description="Memory budget in GB (1e9 bytes) for the training step's tensors; on CPU a "
+        "simulated budget. Unset: memory.device's usable memory, else the device's free memory.")
+    device: str | None = Field(
+        None, description="Target device profile the plan is made for: a100-40gb, a100-80gb, h100-80gb, h200, "
+        "l4, rtx-4090, t4 or cpu. Unset: the device this run is on.")
+    safety_margin: float = Field(
+        0.05, ge=0.0, lt=0.5, description="Share of the budget the planner leaves free for allocator "
+        "fragmentation and estimate error.")
+    allow_precisions: list[Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true"]] = Field(
+        default_factory=list, description="Planner: other train.precision values it may fall back to when no "
+        "stack fits at train.precision. Empty: train.precision only.")
+    allow_smaller_micro_batch: bool = Field(
+        True, description="Planner: may lower the micro-batch (raising the accumulation steps, same global "
+        "batch) when that is the cheapest way to fit.")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from memfit.memory.devices import normalise_device_name
+
+        return normalise_device_name(v, "memory.device")
+
+
+class LoraConfig(_Section):
+    enabled: bool | Literal["auto"] = Field(
+        False, description="Train LoRA adapters (through peft) instead of all weights. auto: only when no "
+        "full fine-tuning stack fits the memory budget. Adapters are merged into the weights before export.")
+    r: int = Field(8, ge=1, le=1024, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA scaling numerator (the update is scaled by alpha/r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj]; "
+        "all-linear: every linear layer but the output head.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, list) and not v:
+            raise ValueError("lora.target_modules is empty; name the modules to adapt or use all-linear")
+        return v
 
 
 class CheckpointConfig(_Section):
@@ -214,6 +259,7 @@ class MemfitConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)

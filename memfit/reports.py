@@ -18,6 +18,7 @@ class ProbeReport(_Report):
     baseline: dict[str, Any] = Field(description="peak_bytes, budget_bytes, fits, headroom_bytes, breakdown...")
     model_source: str
     n_params: int
+    architecture: dict[str, Any] | None = Field(None, description="The model's transformers config, for the planner.")
 
 
 class PlanReport(_Report):
@@ -30,6 +31,16 @@ class PlanReport(_Report):
     grad_accum_steps: int
     reason: str
     description: str
+    block_kinds: list[str] | None = Field(None, description="Checkpointing per decoder block: none, selective, "
+                                          "full or offload.")
+    lora: bool = False
+    fits: bool | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_overhead: float | None = Field(None, description="Predicted step time / no checkpointing - 1.")
+    budget_bytes: int | None = None
+    budget_source: str | None = None
+    alternatives: list[dict[str, Any]] = Field(default_factory=list, description="Other candidates estimated.")
+    table_markdown: str | None = None
 
 
 class ResumePoint(_Report):
