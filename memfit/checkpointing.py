@@ -303,7 +303,11 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
         info = CheckpointInfo(step=snap.step, prefix=prefix, uri=self._uri(prefix), files=files,
                               created_at=created_at)
-        self._apply_retention()
+        try:
+            self._apply_retention()
+        except Exception as err:  # noqa: BLE001 - the new checkpoint is committed; pruning can wait
+            log.warning("training checkpoint step %d is committed, but removing older ones failed (%s); "
+                        "retried after the next save", snap.step, err)
         self.last_save_seconds = time.perf_counter() - t0
         if record is not None:
             record.write_upload_s, record.bytes, record.attempts = self.last_save_seconds, info.total_bytes, attempt

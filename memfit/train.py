@@ -214,6 +214,8 @@ class Trainer:
                 if requested:
                     save_request.clear()
                 if (self.step % ck.every_steps == 0 or requested) and self.step < t.max_steps:
+                    # Metrics up to a checkpoint are durable: after a SIGKILL the resumed run logs from there.
+                    self.tracker.flush()
                     self.save(blocking=False, force=requested)  # written and uploaded off the training thread
         finally:
             bar.close()
