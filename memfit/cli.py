@@ -1,4 +1,4 @@
-"""The `memfit` command line: run the flow, probe, list training checkpoints, show the config."""
+"""The `memfit` command line: run or resume the flow, probe, list/verify training checkpoints, show config."""
 
 from __future__ import annotations
 
@@ -181,6 +181,39 @@ def checkpoints_verify(uri: UriArg, as_json: JsonOpt = False, endpoint_url: Endp
             typer.echo(f"step {step}: {problem}", err=True)
     if errors:
         raise typer.Exit(1)
+
+
+@app.command()
+def resume(uri: UriArg, set_: SetOpt = None, as_json: JsonOpt = False, endpoint_url: EndpointOpt = None,
+           region: RegionOpt = None) -> None:
+    """Continue the run whose training checkpoints are at URI, with the config saved in its newest one."""
+    import tempfile
+
+    import yaml
+
+    _environment()
+    try:
+        manager = _manager(uri, endpoint_url, region)
+        complete = manager.list()
+        if not complete:
+            from memfit.errors import CheckpointError
+
+            raise CheckpointError(f"no complete training checkpoint under {uri} to resume from "
+                                  f"(`memfit checkpoints ls {uri}` shows what is there)")
+        from memfit.checkpointing import CONFIG_FILE
+
+        stored = yaml.safe_load(manager.store.get_bytes(f"{complete[-1].prefix}/{CONFIG_FILE}").decode())
+    except (MemfitError, yaml.YAMLError, UnicodeDecodeError) as err:
+        _fail(err)
+    # The stored config is data from the store, not from you: remote model code stays off unless --set says so.
+    overrides = ["model.trust_remote_code=false", f"checkpoint.uri={uri}"]
+    overrides += [f"checkpoint.{k}={v}" for k, v in (("endpoint_url", endpoint_url), ("region", region)) if v]
+    with tempfile.TemporaryDirectory(prefix="memfit-resume-") as tmp:
+        path = Path(tmp) / "resumed.yaml"
+        path.write_text(yaml.safe_dump(stored, sort_keys=False))
+        typer.echo(f"resuming {uri} from step {complete[-1].step} with the config saved in {complete[-1].uri}",
+                   err=True)
+        run(config=path, set_=overrides + list(set_ or []), as_json=as_json)
 
 
 def main() -> None:  # pragma: no cover - console-script shim

@@ -51,12 +51,13 @@ def cli_env(base_env, prefect_api_url) -> dict[str, str]:
 class Run:
     """`python -m memfit.cli run ...` in the background, its stderr read line by line as it comes."""
 
-    def __init__(self, args: list[str], env: dict[str, str], cwd: Path, **extra_env: str) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], cwd: Path, *, command: tuple[str, ...] = ("run", TINY),
+                 **extra_env: str) -> None:
         self.lines: list[str] = []
         self._new = threading.Condition()
-        self.proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", "run", TINY, *args, "--json"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", *command, *args, "--json"],
                                      cwd=cwd, env={**env, **extra_env}, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -84,7 +85,10 @@ class Run:
                 self._new.wait(0.2)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        self.proc.send_signal(sig)
+        if sig == signal.SIGKILL:
+            os.killpg(self.proc.pid, sig)  # the machine is gone: the process and anything it started
+        else:
+            self.proc.send_signal(sig)  # what Kubernetes does: SIGTERM to the container's main process
 
     def finish(self, timeout: float = 300) -> tuple[int, str]:
         out, _ = self.proc.communicate(timeout=timeout)
@@ -174,8 +178,9 @@ def test_killed_preempted_and_resumed_run_equals_an_uninterrupted_one(cli_env, s
     assert 10 <= stopped < 14 and "Traceback" not in run.log.split("preempted at step")[-1]
     assert stopped in [i.step for i in store.list()]
 
-    # 5. The rerun finishes; its exported weights equal the uninterrupted run's, bit for bit.
-    run = Run(args, cli_env, tmp_path)
+    # 5. `memfit resume URI` (the config saved in the checkpoint) finishes; its exported weights equal the
+    #    uninterrupted run's, bit for bit.
+    run = Run([], cli_env, tmp_path, command=("resume", uri))
     code, out = run.finish()
     assert code == 0, run.log[-4000:]
     summary = json.loads(out.strip().splitlines()[-1])
