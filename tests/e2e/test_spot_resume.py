@@ -142,7 +142,7 @@ def test_killed_preempted_and_resumed_run_equals_an_uninterrupted_one(cli_env, s
     store = CheckpointManager(S3Store(uri))
 
     # 1. SIGKILL mid-upload: some files of step 4 are in S3, its manifest is not.
-    run = Run(args, cli_env, tmp_path, MEMFIT_TEST_UPLOAD_DELAY="0.4")
+    run = Run(args, cli_env, tmp_path, MEMFIT_TEST_UPLOAD_DELAY="0.25")
     _poll(lambda: (k := _keys(s3_client, bucket, f"{prefix}step-00000004/")) and not any(
         x.endswith("manifest.json") for x in k), what="step 4 mid-upload")
     run.kill()
@@ -150,7 +150,7 @@ def test_killed_preempted_and_resumed_run_equals_an_uninterrupted_one(cli_env, s
     assert [(e.step, e.status) for e in store.scan()] == [(2, "complete"), (4, "incomplete")]
 
     # 2. SIGKILL right after the step-6 manifest (before retention or anything else ran).
-    run = Run(args, cli_env, tmp_path, MEMFIT_TEST_UPLOAD_DELAY="0.4")
+    run = Run(args, cli_env, tmp_path, MEMFIT_TEST_UPLOAD_DELAY="0.25")
     _poll(lambda: f"{prefix}step-00000006/manifest.json" in _keys(s3_client, bucket, f"{prefix}step-00000006/"),
           what="step 6 manifest")
     run.kill()

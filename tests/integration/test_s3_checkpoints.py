@@ -163,17 +163,27 @@ def _at_step(monkeypatch, at: int, action) -> None:
     monkeypatch.setattr(NullTracker, "log_metrics", hook)
 
 
-def _s3_cfg(tiny_config, bucket: str, prefix: str, **extra):
-    return tiny_config(**{"tracking.backend": "null", "train.max_steps": 8, "checkpoint.every_steps": 2,
-                          "data.synthetic_docs": 300, "checkpoint.uri": f"s3://{bucket}/{prefix}", **extra})
+@pytest.fixture(scope="module")
+def shared_work(tmp_path_factory) -> Path:
+    """One run.work_dir for the training tests here: the preset model and tokenizer are built once."""
+    return tmp_path_factory.mktemp("work")
 
 
-def test_training_rides_out_an_s3_outage(proxy, s3_bucket, tiny_config, tmp_path, monkeypatch, caplog):
+@pytest.fixture()
+def small(tiny_config, shared_work):
+    def make(**extra):
+        return tiny_config(**{"tracking.backend": "null", "train.max_steps": 8, "checkpoint.every_steps": 2,
+                              "data.synthetic_docs": 300, "run.work_dir": shared_work, **extra})
+
+    return make
+
+
+def test_training_rides_out_an_s3_outage(proxy, s3_bucket, small, tmp_path, monkeypatch, caplog):
     _endpoint, bucket = s3_bucket
     # botocore's own retries give up fast here, so memfit's save-level retries (0.5+1+2+4 s) ride it out.
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-    cfg = _s3_cfg(tiny_config, bucket, "outage", **{"checkpoint.upload_attempts": 5,
-                                                    "checkpoint.retry_backoff_seconds": 0.5})
+    cfg = small(**{"checkpoint.uri": f"s3://{bucket}/outage", "checkpoint.upload_attempts": 5,
+                   "checkpoint.retry_backoff_seconds": 0.5})
 
     def outage():
         proxy.set_mode("down")
@@ -192,10 +202,10 @@ def test_training_rides_out_an_s3_outage(proxy, s3_bucket, tiny_config, tmp_path
     assert result.checkpoint_stats["saves"] == 4 and result.checkpoint_stats["skipped"] == 0
 
 
-def test_training_fails_loudly_when_s3_stays_down(proxy, s3_bucket, tiny_config, tmp_path, monkeypatch):
+def test_training_fails_loudly_when_s3_stays_down(proxy, s3_bucket, small, tmp_path, monkeypatch):
     _endpoint, bucket = s3_bucket
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-    cfg = _s3_cfg(tiny_config, bucket, "stays-down", **{"checkpoint.upload_attempts": 1})
+    cfg = small(**{"checkpoint.uri": f"s3://{bucket}/stays-down", "checkpoint.upload_attempts": 1})
     _at_step(monkeypatch, 4, lambda: proxy.set_mode("down"))
     with pytest.raises(CheckpointError, match="step 4 could not be saved") as info:
         _train(cfg)
@@ -206,14 +216,13 @@ def test_training_fails_loudly_when_s3_stays_down(proxy, s3_bucket, tiny_config,
     assert m.latest(tmp_path / "dl").step == 2
 
 
-def test_spot_notice_from_the_environment_preempts_training(tiny_config, tmp_path, monkeypatch):
+def test_spot_notice_from_the_environment_preempts_training(small, monkeypatch):
     imds = FakeMetadata()
     try:
         # What infra/k8s/spot-work-pool.json sets; the config leaves checkpoint.spot.enabled null.
         monkeypatch.setenv("MEMFIT_SPOT_WATCHER", "true")
         monkeypatch.setenv("MEMFIT_SPOT_METADATA_URL", imds.url)
-        cfg = tiny_config(**{"tracking.backend": "null", "train.max_steps": 30, "checkpoint.every_steps": 100,
-                             "data.synthetic_docs": 300, "checkpoint.spot.poll_seconds": 0.05})
+        cfg = small(**{"train.max_steps": 30, "checkpoint.every_steps": 100, "checkpoint.spot.poll_seconds": 0.05})
         notice = {"action": "terminate", "time": "2026-11-30T12:02:00Z"}
         _at_step(monkeypatch, 3, lambda: setattr(imds, "instance_action", notice))
         with pytest.raises(Preempted, match="spot interruption notice: terminate at 2026-11-30T12:02:00Z") as info:
@@ -226,13 +235,11 @@ def test_spot_notice_from_the_environment_preempts_training(tiny_config, tmp_pat
         imds.close()
 
 
-def test_rebalance_recommendation_saves_a_checkpoint_and_training_goes_on(tiny_config, monkeypatch):
+def test_rebalance_recommendation_saves_a_checkpoint_and_training_goes_on(small, monkeypatch):
     imds = FakeMetadata()
     try:
-        cfg = tiny_config(**{"tracking.backend": "null", "train.max_steps": 8, "checkpoint.every_steps": 100,
-                             "data.synthetic_docs": 300, "checkpoint.keep_last": 5,
-                             "checkpoint.spot.enabled": True, "checkpoint.spot.metadata_url": imds.url,
-                             "checkpoint.spot.poll_seconds": 0.05})
+        cfg = small(**{"checkpoint.every_steps": 100, "checkpoint.keep_last": 5, "checkpoint.spot.enabled": True,
+                       "checkpoint.spot.metadata_url": imds.url, "checkpoint.spot.poll_seconds": 0.05})
         _at_step(monkeypatch, 3, lambda: setattr(imds, "rebalance", {"noticeTime": "2026-11-30T11:58:00Z"}))
         result = _train(cfg)
         assert result.steps == 8 and not result.preempted
@@ -240,3 +247,19 @@ def test_rebalance_recommendation_saves_a_checkpoint_and_training_goes_on(tiny_c
         assert len(steps) == 2 and 3 <= steps[0] < 8 and steps[1] == 8
     finally:
         imds.close()
+
+
+def test_checkpoint_endpoint_and_region_come_from_the_config(s3_bucket, monkeypatch, tmp_path):
+    from memfit import config
+    from memfit.errors import ConfigError
+
+    endpoint, bucket = s3_bucket
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # wrong on purpose: the config wins
+    cfg = config.load(None, [f"checkpoint.uri=s3://{bucket}/cfg", f"checkpoint.endpoint_url={endpoint}",
+                             "checkpoint.region=eu-west-1", f"run.work_dir={tmp_path}"])
+    store = pipeline.open_checkpoint_store(cfg)
+    store.check_writable()
+    assert store.endpoint == endpoint and store.client.meta.region_name == "eu-west-1"
+    local = config.load(None, [f"checkpoint.uri={tmp_path / 'ckpt'}", f"checkpoint.endpoint_url={endpoint}"])
+    with pytest.raises(ConfigError, match="checkpoint.endpoint_url only applies to s3:// uris"):
+        pipeline.open_checkpoint_store(local)
