@@ -70,6 +70,10 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False)
         typer.echo(f"done: {summary.steps} steps, val loss {summary.initial_val_loss:.4f} -> "
                    f"{summary.final_val_loss:.4f}; MLflow run {summary.mlflow_run_id} at {summary.tracking_uri}; "
                    f"export {summary.safetensors_dir}" + (f" + {summary.onnx_path}" if summary.onnx_path else ""))
+        if summary.gate_passed is not None:
+            typer.echo(f"eval gate {'passed' if summary.gate_passed else 'FAILED'} ({summary.gate_reason}); "
+                       + (f"registered {summary.registered_model} version {summary.model_version}"
+                          if summary.model_version else "nothing registered"))
 
 
 @app.command()
@@ -88,6 +92,25 @@ def probe(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = Fals
     else:
         b = report.baseline
         typer.echo(f"{report.environment['device']['type']} {report.environment['device']['name']}: {b['message']}")
+
+
+@app.command()
+def serve(config: ConfigArg = None, set_: SetOpt = None,
+          limit: Annotated[int | None, typer.Option(help="Most flow runs executed at once by this process.")] = None
+          ) -> None:
+    """Register the finetune / retrain / export deployments with a Prefect server and run their flow runs."""
+    _environment()
+    if not os.environ.get("PREFECT_API_URL"):
+        typer.echo("error: memfit serve needs a Prefect server: start one (prefect server start --host 127.0.0.1) "
+                   "and set PREFECT_API_URL=http://127.0.0.1:4200/api", err=True)
+        raise typer.Exit(2)
+    try:
+        cfg = _load(config, set_)
+        from flows.deploy import serve_deployments
+
+        serve_deployments(cfg, limit=limit)
+    except MemfitError as err:
+        _fail(err)
 
 
 @app.command("config")
@@ -214,6 +237,39 @@ def resume(uri: UriArg, set_: SetOpt = None, as_json: JsonOpt = False, endpoint_
         typer.echo(f"resuming {uri} from step {complete[-1].step} with the config saved in {complete[-1].uri}",
                    err=True)
         run(config=path, set_=overrides + list(set_ or []), as_json=as_json)
+
+
+@app.command("export")
+def export_cmd(
+    checkpoint_uri: Annotated[str, typer.Argument(help="A training checkpoint: a step-NNNNNNNN folder, or a "
+                                                       "checkpoint root (its newest verified one); local or s3://.")],
+    out: Annotated[Path, typer.Option("--out", help="Output folder: OUT/hf (SafeTensors) and OUT/model.onnx.")],
+    onnx: Annotated[bool, typer.Option("--onnx/--no-onnx", help="Also export ONNX and check its parity.")] = True,
+    upload: Annotated[str | None, typer.Option("--upload", help="Also upload the export here (folder or "
+                                                                "s3://bucket/prefix), manifest last.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Export a training checkpoint to a verified SafeTensors folder and ONNX file (config from the checkpoint)."""
+    _environment()
+    try:
+        from memfit.exporting import export_checkpoint
+
+        report = export_checkpoint(checkpoint_uri, out, onnx=onnx, upload_uri=upload)
+    except MemfitError as err:
+        _fail(err)
+    lines = [f"exported step {report['step']} of {report['checkpoint']}",
+             f"SafeTensors: {report['safetensors_dir']} (reloaded, max |diff| {report['safetensors_max_abs_diff']:.2e})"]
+    if report["onnx_path"]:
+        shapes = ", ".join(f"{p['batch']}x{p['seq']}" for p in report["onnx_parity"])
+        lines.append(f"ONNX: {report['onnx_path']} (opset {report['onnx_opset']}); parity max |onnxruntime - "
+                     f"PyTorch| = {report['onnx_max_abs_diff']:.3e} over shapes {shapes} (threshold "
+                     f"{report['onnx_atol']:g}: within)")
+    if report["uploaded_uri"]:
+        lines.append(f"uploaded: {report['uploaded_uri']} (manifest.json last)")
+    for line in lines:  # with --json the human lines go to stderr: stdout is the JSON object alone
+        typer.echo(line, err=as_json)
+    if as_json:
+        typer.echo(json.dumps(report, sort_keys=True, default=str))
 
 
 def main() -> None:  # pragma: no cover - console-script shim

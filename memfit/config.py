@@ -173,6 +173,13 @@ class TrackingConfig(_Section):
     uri: str | None = Field(None, description="MLflow tracking URI. Unset: $MLFLOW_TRACKING_URI, "
                             "else sqlite:///mlflow.db in the working folder.")
     experiment: str = Field("memfit", min_length=1, description="MLflow experiment name.")
+    required: bool = Field(True, description="An unreachable tracking server fails the run before any work "
+                           "(naming the URI); false: warn and continue with the null tracker.")
+    system_metrics: bool = Field(True, description="Log MLflow system metrics (CPU, memory, disk, network; "
+                                 "GPU through pynvml when installed) as system/* metrics.")
+    system_metrics_interval_s: float = Field(
+        10.0, ge=0.1, le=3600, description="Seconds between system-metric samples; use ~1 for short runs. "
+        "$MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL overrides it.")
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -194,6 +201,62 @@ class ExportConfig(_Section):
     onnx: bool = Field(True, description="Also export and verify ONNX.")
     onnx_atol: float = Field(1e-4, gt=0.0, description="Max abs logit difference allowed, ONNX vs PyTorch.")
     opset: int | None = Field(None, ge=13, description="ONNX opset; default: the exporter's.")
+    uri: str | None = Field(None, description="Also upload the verified export here (a folder or "
+                            "s3://bucket/prefix), files first and a manifest.json last. Unset: local only.")
+
+
+class GateConfig(_Section):
+    max_perplexity: float | None = Field(None, gt=1.0, description="Register only when validation perplexity "
+                                         "is at most this. Unset: no threshold.")
+    beat_champion: bool = Field(True, description="Register only when validation perplexity is lower than the "
+                                "current champion's (a first model, with no champion, passes).")
+
+
+class EvalConfig(_Section):
+    prompts: list[str] = Field(
+        default_factory=lambda: ["one two three", "the red fox", "3 plus 4 is"], max_length=64,
+        description="Fixed prompts whose greedy continuations are logged as an MLflow table (eval/generations).")
+    max_new_tokens: int = Field(16, ge=1, le=512, description="Tokens generated per prompt (greedy, KV cache on).")
+    gate: GateConfig = Field(default_factory=GateConfig, description="The eval gate deciding registration.")
+
+
+class RegistryConfig(_Section):
+    enabled: bool = Field(True, description="Log the export as an MLflow model and register a version when the "
+                          "eval gate passes (needs the MLflow tracker).")
+    model_name: str | None = Field(None, min_length=1, max_length=200,
+                                   description="Registered model name. Unset: run.name.")
+    alias: str = Field("champion", pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$",
+                       description="Alias moved to a version that passes the gate.")
+
+
+class DeployConfig(_Section):
+    """How `memfit serve` registers the Prefect deployments (finetune, retrain, export)."""
+
+    retrain_cron: str | None = Field(None, description="Cron schedule of the retrain deployment, e.g. "
+                                     "'0 3 * * *' (03:00 daily); unset: no schedule, runs only on demand.")
+    timezone: str = Field("UTC", description="IANA time zone the cron schedule is read in, e.g. Europe/Berlin.")
+    training_slots: int = Field(1, ge=1, le=64, description="Runs that may train at once on this machine: a "
+                                "Prefect global concurrency limit, so two runs never share one GPU.")
+    concurrency_key: str = Field("memfit-training", min_length=1,
+                                 description="Name of the Prefect global concurrency limit held while training.")
+
+    @field_validator("retrain_cron")
+    @classmethod
+    def _cron(cls, v: str | None) -> str | None:
+        if v is not None and len(v.split()) not in (5, 6):
+            raise ValueError(f"deploy.retrain_cron: {v!r} is not a cron expression (5 fields, e.g. '0 3 * * *')")
+        return v
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, v: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(v)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown time zone {v!r}; use an IANA name such as UTC or Europe/Berlin") from None
+        return v
 
 
 class MemfitConfig(_Section):
@@ -207,6 +270,9 @@ class MemfitConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,69 @@
+"""Real servers for end-to-end tests: started on 127.0.0.1 in their own process group, stopped as a group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from collections.abc import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}):\n{log.read_text()[-3000:] if log else ''}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status < 500:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s:\n{log.read_text()[-3000:] if log else ''}")
+
+
+@contextmanager
+def process_group(args: list[str], env: dict[str, str], cwd: Path, log: Path) -> Iterator[subprocess.Popen]:
+    """Run `args` in a new session; on exit SIGTERM the whole group (servers leave children behind)."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+@contextmanager
+def prefect_server(tmp: Path, bin_dir: Path) -> Iterator[str]:
+    """`prefect server start` on 127.0.0.1 with its own SQLite DB; yields the API URL."""
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"),
+           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp / 'prefect.db'}",
+           "PREFECT_UI_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "true"}
+    env.pop("PREFECT_API_URL", None)
+    log = tmp / "prefect-server.log"
+    with process_group([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                       env, tmp, log) as proc:
+        wait_http(f"{api}/health", 120, proc, log)
+        yield api
