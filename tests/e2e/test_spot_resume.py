@@ -101,7 +101,10 @@ def _overrides(root: Path, uri: str, **extra: object) -> list[str]:
              "tracking.uri": f"sqlite:///{root / 'mlflow.db'}", "tracking.experiment": "spot",
              "train.max_steps": 14, "checkpoint.every_steps": 2, "checkpoint.keep_last": 2,
              "train.warmup_steps": 2, "data.synthetic_docs": 300, "train.num_threads": 1, "export.onnx": False,
-             "checkpoint.grace_seconds": 20, **extra}
+             "checkpoint.grace_seconds": 20,
+             # The killed runs' training slots stay leased on the shared Prefect server for a minute: this
+             # test's own limit has room for them (the lease expiry itself is Prefect's business).
+             "deploy.concurrency_key": f"spot-test-{root.name}", "deploy.training_slots": 8, **extra}
     return [arg for k, v in items.items() for arg in ("--set", f"{k}={v}")]
 
 
@@ -110,10 +113,12 @@ def _keys(client, bucket: str, prefix: str) -> list[str]:
     return [o["Key"] for o in resp.get("Contents", [])]
 
 
-def _poll(pred, timeout: float = 240, what: str = "") -> None:
+def _poll(run: Run, pred, what: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if run.proc.poll() is not None:
+            raise AssertionError(f"exited {run.proc.returncode} before {what}:\n{run.log[-4000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{run.log[-4000:]}"
         time.sleep(0.03)
 
 
@@ -143,16 +148,16 @@ def test_killed_preempted_and_resumed_run_equals_an_uninterrupted_one(cli_env, s
 
     # 1. SIGKILL mid-upload: some files of step 4 are in S3, its manifest is not.
     run = Run(args, cli_env, tmp_path, MEMFIT_TEST_UPLOAD_DELAY="0.25")
-    _poll(lambda: (k := _keys(s3_client, bucket, f"{prefix}step-00000004/")) and not any(
-        x.endswith("manifest.json") for x in k), what="step 4 mid-upload")
+    _poll(run, lambda: (k := _keys(s3_client, bucket, f"{prefix}step-00000004/")) and not any(
+        x.endswith("manifest.json") for x in k), "step 4 mid-upload")
     run.kill()
     assert run.finish()[0] == -signal.SIGKILL
     assert [(e.step, e.status) for e in store.scan()] == [(2, "complete"), (4, "incomplete")]
 
     # 2. SIGKILL right after the step-6 manifest (before retention or anything else ran).
     run = Run(args, cli_env, tmp_path, MEMFIT_TEST_UPLOAD_DELAY="0.25")
-    _poll(lambda: f"{prefix}step-00000006/manifest.json" in _keys(s3_client, bucket, f"{prefix}step-00000006/"),
-          what="step 6 manifest")
+    _poll(run, lambda: f"{prefix}step-00000006/manifest.json" in _keys(s3_client, bucket, f"{prefix}step-00000006/"),
+          "step 6 manifest")
     run.kill()
     assert run.finish()[0] == -signal.SIGKILL
     assert "resuming from training checkpoint " + uri + "/step-00000002 (step 2)" in run.log
