@@ -246,8 +246,8 @@ def _plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))
-    names = ["snapshot", "stall\nin-thread", "stall wall\nS3 (moto)", "stall wall\nlocal", "1.5x snapshot\n(target)"]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.5))
+    names = ["snapshot", "stall:\nthread", "stall:\nwall, S3", "stall:\nwall, local", "target\n1.5x snap"]
     vals = [r["snapshot_s"] * 1e3, r["stall_in_thread_s"] * 1e3, r["stall_wall_s"] * 1e3,
             r["stall_wall_local_s"] * 1e3, r["snapshot_s"] * 1.5e3]
     a.bar(names, vals, color=["#4c72b0", "#55a868", "#8172b2", "#64b5cd", "#cccccc"])
