@@ -6,12 +6,15 @@ import contextvars
 import hashlib
 import json
 import logging
+import os
 import pickle
 import re
 import shutil
 import tempfile
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +76,18 @@ class CheckpointInfo:
 
 
 @dataclass
+class CheckpointEntry:
+    """A step folder found in the store; only status "complete" (a valid manifest) can ever be loaded."""
+
+    step: int
+    prefix: str
+    uri: str
+    objects: int
+    status: str
+    info: CheckpointInfo | None = None
+
+
+@dataclass
 class LoadedCheckpoint:
     info: CheckpointInfo
     model_state: dict[str, torch.Tensor]
@@ -115,29 +130,124 @@ def _write_local(snap: Snapshot, folder: Path) -> dict[str, dict[str, Any]]:
     return {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(folder.iterdir())}
 
 
-class CheckpointManager:
-    """Training checkpoints under one store: `step-NNNNNNNN/` folders, each committed by its manifest, written last."""
+@dataclass
+class SaveRecord:
+    """One training-checkpoint save as the training thread and the writer thread saw it."""
 
-    def __init__(self, store: ObjectStore, keep_last: int = 2, staging_dir: str | Path | None = None) -> None:
+    step: int
+    stall_s: float  # training thread: waiting for the previous save + snapshot + hand-off
+    snapshot_s: float  # training thread: copying the state to CPU memory
+    write_upload_s: float | None = None  # writer thread: serialise, hash, upload, manifest (None until done)
+    bytes: int | None = None
+    attempts: int = 0
+
+    @property
+    def upload_mb_per_s(self) -> float | None:
+        if not self.bytes or not self.write_upload_s:
+            return None
+        return self.bytes / 1e6 / self.write_upload_s
+
+
+@dataclass
+class SaveStats:
+    saves: int = 0
+    skipped: int = 0
+    total_stall_s: float = 0.0
+    total_snapshot_s: float = 0.0
+    last: SaveRecord | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        n = max(self.saves, 1)
+        return {"saves": self.saves, "skipped": self.skipped, "mean_stall_s": self.total_stall_s / n,
+                "mean_snapshot_s": self.total_snapshot_s / n,
+                "last_write_upload_s": self.last.write_upload_s if self.last else None,
+                "last_upload_mb_per_s": self.last.upload_mb_per_s if self.last else None}
+
+
+def _test_upload_delay() -> None:
+    # TEST-ONLY hook: MEMFIT_TEST_UPLOAD_DELAY=<seconds> sleeps after each object written to the store, so
+    # a test can SIGKILL the process deterministically mid-upload or right after the manifest.
+    delay = os.environ.get("MEMFIT_TEST_UPLOAD_DELAY")
+    if delay:
+        time.sleep(float(delay))
+
+
+class CheckpointManager:
+    """Training checkpoints under one store: `step-NNNNNNNN/` folders, each committed by its manifest, written last.
+
+    One save is in flight at a time, on a single writer thread; `on_busy` says what a periodic save due
+    meanwhile does ("wait" stalls training until the previous one is committed, "skip" drops it). A save
+    that fails (after `upload_attempts` tries with exponential backoff) is re-raised, as a CheckpointError
+    naming the step, by the next save, `wait`, `raise_if_failed` or `close`: never silently lost.
+    """
+
+    def __init__(self, store: ObjectStore, keep_last: int = 2, staging_dir: str | Path | None = None, *,
+                 on_busy: str = "wait", upload_attempts: int = 1, retry_backoff_s: float = 5.0,
+                 grace_seconds: float | None = None) -> None:
+        if on_busy not in ("wait", "skip"):
+            raise ValueError(f"on_busy must be 'wait' or 'skip', not {on_busy!r}")
         self.store = store
         self.keep_last = keep_last
         self.staging_dir = Path(staging_dir) if staging_dir else None
+        self.on_busy = on_busy
+        self.upload_attempts = max(1, upload_attempts)
+        self.retry_backoff_s = retry_backoff_s
+        self.grace_seconds = grace_seconds
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-ckpt")
         self._inflight: Future[CheckpointInfo] | None = None
         self._lock = threading.Lock()
         self.last_save_seconds: float | None = None
+        self.last_step: int | None = None  # step of the newest save handed to the writer
+        self.stats = SaveStats()
+        self._done: deque[SaveRecord] = deque()
 
     # -- saving -----------------------------------------------------------------------------------
-    def save(self, snap: Snapshot, blocking: bool = True) -> Future[CheckpointInfo]:
-        """Write and upload a snapshot; one save in flight at a time (a second waits for the first)."""
+    @property
+    def busy(self) -> bool:
+        fut = self._inflight
+        return fut is not None and not fut.done()
+
+    def save(self, snap: Snapshot | Callable[[], Snapshot], blocking: bool = True, *, force: bool = False,
+             deadline: float | None = None) -> Future[CheckpointInfo] | None:
+        """Write and upload a snapshot (or what `snap()` returns, taken only if the save goes ahead).
+
+        Returns None when skipped (on_busy="skip", a save in flight, neither blocking nor forced).
+        `deadline` (time.monotonic()) stops retries that could not finish before it.
+        """
+        t0 = time.perf_counter()
+        self.raise_if_failed()
+        if self.busy and not (blocking or force) and self.on_busy == "skip":
+            self.stats.skipped += 1
+            log.warning("training checkpoint save skipped: the previous one (step %s) is still uploading "
+                        "(checkpoint.on_busy=skip; %d skipped so far)", self.last_step, self.stats.skipped)
+            return None
+        if self.busy:
+            log.info("training checkpoint save waits for the previous one (step %s) to finish uploading",
+                     self.last_step)
         self.wait()
+        t1 = time.perf_counter()
+        snapshot = snap() if callable(snap) else snap
+        snapshot_s = time.perf_counter() - t1
+        record = SaveRecord(step=snapshot.step, stall_s=0.0, snapshot_s=snapshot_s)
         with self._lock:
             # Copy the caller's context so logs from the writer thread land in the same (Prefect) run.
-            fut = self._pool.submit(contextvars.copy_context().run, self._save_now, snap)
+            fut = self._pool.submit(contextvars.copy_context().run, self._save_now, snapshot, record, deadline)
             self._inflight = fut
+            self.last_step = snapshot.step
+        record.stall_s = time.perf_counter() - t0
+        self.stats.saves += 1
+        self.stats.total_stall_s += record.stall_s
+        self.stats.total_snapshot_s += snapshot_s
+        self.stats.last = record
         if blocking:
-            fut.result()
+            self.wait()
         return fut
+
+    def raise_if_failed(self) -> None:
+        """Re-raise (at once, without blocking) the failure of a finished background save."""
+        fut = self._inflight
+        if fut is not None and fut.done() and fut.exception() is not None:
+            self.wait()
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the save in flight (if any) is committed; re-raise its failure."""
@@ -151,35 +261,79 @@ class CheckpointManager:
                 if self._inflight is fut:
                     self._inflight = None
 
+    def completed(self) -> list[SaveRecord]:
+        """Saves committed since the last call (for the training thread to log; thread-safe)."""
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
     def close(self) -> None:
         try:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
 
-    def _save_now(self, snap: Snapshot) -> CheckpointInfo:
+    def _save_now(self, snap: Snapshot, record: SaveRecord | None = None,
+                  deadline: float | None = None) -> CheckpointInfo:
         t0 = time.perf_counter()
         prefix = step_prefix(snap.step)
         if self.staging_dir:
             self.staging_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{prefix}-", dir=self.staging_dir))
+        attempt = 0
         try:
             files = _write_local(snap, tmp)
-            # A re-save of the same step (after a crash between upload and manifest) first drops the old manifest.
-            self.store.delete(f"{prefix}/{MANIFEST}")
-            for name in files:
-                self.store.put_file(tmp / name, f"{prefix}/{name}")
-            manifest = {"format": FORMAT, "step": snap.step, "created_at": time.time(), "files": files}
-            # The manifest goes last: until it exists, the checkpoint does not.
-            self.store.put_bytes(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
+            while True:
+                attempt += 1
+                try:
+                    created_at = self._upload(prefix, tmp, files, snap.step)
+                    break
+                except Exception as err:  # noqa: BLE001 - every failure is retried, then re-raised loudly
+                    wait_s = self.retry_backoff_s * 2 ** (attempt - 1)
+                    late = deadline is not None and time.monotonic() + wait_s > deadline
+                    if attempt >= self.upload_attempts or late:
+                        raise CheckpointError(
+                            f"training checkpoint step {snap.step} could not be saved to {self._uri(prefix)} "
+                            f"({attempt} attempt(s)): {err}") from err
+                    log.warning("training checkpoint step %d: upload attempt %d/%d failed (%s); retrying in "
+                                "%.1f s", snap.step, attempt, self.upload_attempts, err, wait_s)
+                    time.sleep(wait_s)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         info = CheckpointInfo(step=snap.step, prefix=prefix, uri=self._uri(prefix), files=files,
-                              created_at=manifest["created_at"])
-        self._apply_retention()
+                              created_at=created_at)
+        try:
+            self._apply_retention()
+        except Exception as err:  # noqa: BLE001 - the new checkpoint is committed; pruning can wait
+            log.warning("training checkpoint step %d is committed, but removing older ones failed (%s); "
+                        "retried after the next save", snap.step, err)
         self.last_save_seconds = time.perf_counter() - t0
-        log.info("training checkpoint step %d committed to %s (%.2f s)", snap.step, info.uri, self.last_save_seconds)
+        if record is not None:
+            record.write_upload_s, record.bytes, record.attempts = self.last_save_seconds, info.total_bytes, attempt
+            self._done.append(record)
+        log.info("training checkpoint step %d committed to %s (%.2f s, %.1f MB)", snap.step, info.uri,
+                 self.last_save_seconds, info.total_bytes / 1e6)
+        took = self.last_save_seconds + (record.snapshot_s if record else 0.0)
+        if self.grace_seconds is not None and took > self.grace_seconds:
+            log.warning("saving training checkpoint step %d took %.1f s, more than checkpoint.grace_seconds=%.0f: "
+                        "a save after a preemption notice may not finish in time; give the machine a longer "
+                        "grace period (and raise checkpoint.grace_seconds) or save a smaller state",
+                        snap.step, took, self.grace_seconds)
         return info
+
+    def _upload(self, prefix: str, tmp: Path, files: dict[str, dict[str, Any]], step: int) -> float:
+        # A re-save of the same step (after a crash between upload and manifest) first drops the old manifest.
+        self.store.delete(f"{prefix}/{MANIFEST}")
+        for name in files:
+            self.store.put_file(tmp / name, f"{prefix}/{name}")
+            _test_upload_delay()
+        created_at = time.time()
+        manifest = {"format": FORMAT, "step": step, "created_at": created_at, "files": files}
+        # The manifest goes last: until it exists, the checkpoint does not.
+        self.store.put_bytes(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
+        _test_upload_delay()
+        return created_at
 
     def _apply_retention(self) -> None:
         complete = self.list()
@@ -218,6 +372,33 @@ class CheckpointManager:
             out.append(CheckpointInfo(step=step, prefix=prefix, uri=self._uri(prefix), files=manifest["files"],
                                       created_at=manifest.get("created_at")))
         return out
+
+    def scan(self) -> list[CheckpointEntry]:
+        """Every step folder in the store, oldest first: complete (a valid manifest) or incomplete (debris)."""
+        complete = {c.step: c for c in self.list()}
+        keys: dict[int, int] = {}
+        for key in self.store.list(""):
+            m = _STEP_DIR.match(key)
+            if m:
+                keys[int(m.group(1))] = keys.get(int(m.group(1)), 0) + 1
+        out = []
+        for step in sorted(keys):
+            prefix = step_prefix(step)
+            info = complete.get(step)
+            out.append(CheckpointEntry(step=step, prefix=prefix, uri=self._uri(prefix), objects=keys[step],
+                                       status="complete" if info else "incomplete", info=info))
+        return out
+
+    def verify(self, info: CheckpointInfo, dest: Path) -> str | None:
+        """Download and check one checkpoint (checksums, then a read that unpickles nothing); None if it is sound."""
+        target = dest / info.prefix
+        try:
+            read_checkpoint_folder(self.download_verified(info, target), info)
+            return None
+        except CheckpointError as err:
+            return str(err)
+        finally:
+            shutil.rmtree(target, ignore_errors=True)
 
     def download_verified(self, info: CheckpointInfo, dest: Path) -> Path:
         """Download every file of `info` into dest and check sizes and sha256 against its manifest."""

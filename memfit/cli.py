@@ -1,4 +1,4 @@
-"""The `memfit` command line: run the flow, probe, list training checkpoints, show the config."""
+"""The `memfit` command line: run or resume the flow, probe, list/verify training checkpoints, show config."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _environment() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    for noisy in ("httpx", "alembic", "onnxscript", "onnx_ir", "torch.onnx"):
+    for noisy in ("httpx", "alembic", "onnxscript", "onnx_ir", "torch.onnx", "botocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -56,6 +56,9 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False)
     _environment()
     try:
         cfg = _load(config, set_)
+        from memfit.pipeline import preflight
+
+        preflight(cfg)  # unwritable outputs, a missing bucket, bad credentials: one line, before Prefect starts
         from flows.finetune import finetune
 
         summary = finetune(config=cfg)
@@ -178,26 +181,121 @@ def show_config(config: ConfigArg = None, set_: SetOpt = None) -> None:
         _fail(err)
 
 
+UriArg = Annotated[str, typer.Argument(help="checkpoint.uri: a folder or s3://bucket/prefix.")]
+EndpointOpt = Annotated[str | None, typer.Option("--endpoint-url", help="S3-compatible endpoint (else "
+                                                 "$AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS).")]
+RegionOpt = Annotated[str | None, typer.Option("--region", help="S3 region (else $AWS_REGION / profile).")]
+
+
+def _manager(uri: str, endpoint_url: str | None, region: str | None) -> Any:
+    from memfit.checkpointing import CheckpointManager
+    from memfit.storage import is_remote, open_store
+
+    opts = {"endpoint_url": endpoint_url, "region": region} if is_remote(uri) else {}
+    return CheckpointManager(open_store(uri, **opts))
+
+
+def _rows(entries: list[Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    done = [{"step": e.step, "uri": e.uri, "bytes": e.info.total_bytes, "created_at": e.info.created_at,
+             "status": e.status} for e in entries if e.info is not None]
+    partial = [{"step": e.step, "uri": e.uri, "objects": e.objects, "status": e.status}
+               for e in entries if e.info is None]
+    return done, partial
+
+
+def _print(uri: str, done: list[dict[str, Any]], partial: list[dict[str, Any]]) -> None:
+    import datetime as dt
+
+    if not done:
+        typer.echo(f"no complete training checkpoints under {uri}")
+    for r in done:
+        when = dt.datetime.fromtimestamp(r["created_at"]).isoformat(" ", "seconds") if r["created_at"] else "?"
+        typer.echo(f"step {r['step']:>8}  {r['bytes'] / 1e6:10.2f} MB  {when}  {r['status']:<10}  {r['uri']}")
+    for r in partial:
+        typer.echo(f"step {r['step']:>8}  {r['objects']:>4} object(s), no manifest: incomplete, never loaded  "
+                   f"{r['uri']}")
+
+
 @checkpoints_app.command("ls")
-def checkpoints_ls(uri: Annotated[str, typer.Argument(help="checkpoint.uri: a folder or s3://bucket/prefix.")],
-                   as_json: JsonOpt = False) -> None:
-    """List complete training checkpoints (those with a manifest) and their steps."""
+def checkpoints_ls(uri: UriArg, as_json: JsonOpt = False, endpoint_url: EndpointOpt = None,
+                   region: RegionOpt = None) -> None:
+    """List training checkpoints: complete ones (with a manifest) with step, size and time; incomplete ones apart."""
     _environment()
     try:
-        from memfit.checkpointing import CheckpointManager
-        from memfit.storage import open_store
-
-        infos = CheckpointManager(open_store(uri)).list()
+        done, partial = _rows(_manager(uri, endpoint_url, region).scan())
     except MemfitError as err:
         _fail(err)
-    rows = [{"step": i.step, "uri": i.uri, "bytes": i.total_bytes, "created_at": i.created_at} for i in infos]
     if as_json:
-        typer.echo(json.dumps({"uri": uri, "checkpoints": rows}))
+        typer.echo(json.dumps({"uri": uri, "checkpoints": done, "incomplete": partial}))
         return
-    if not rows:
-        typer.echo(f"no complete training checkpoints under {uri}")
-    for r in rows:
-        typer.echo(f"step {r['step']:>8}  {r['bytes'] / 1e6:10.2f} MB  {r['uri']}")
+    _print(uri, done, partial)
+
+
+@checkpoints_app.command("verify")
+def checkpoints_verify(uri: UriArg, as_json: JsonOpt = False, endpoint_url: EndpointOpt = None,
+                       region: RegionOpt = None) -> None:
+    """Download every complete training checkpoint and check its sizes and sha256; exit 1 if one is corrupt."""
+    import tempfile
+
+    _environment()
+    try:
+        manager = _manager(uri, endpoint_url, region)
+        entries = manager.scan()
+        errors: dict[int, str] = {}
+        with tempfile.TemporaryDirectory(prefix="memfit-verify-") as tmp:
+            for e in entries:
+                if e.info is not None:
+                    problem = manager.verify(e.info, Path(tmp))
+                    e.status = "corrupt" if problem else "verified"
+                    if problem:
+                        errors[e.step] = problem
+    except MemfitError as err:
+        _fail(err)
+    done, partial = _rows(entries)
+    for r in done:
+        if r["step"] in errors:
+            r["error"] = errors[r["step"]]
+    if as_json:
+        typer.echo(json.dumps({"uri": uri, "checkpoints": done, "incomplete": partial}))
+    else:
+        _print(uri, done, partial)
+        for step, problem in errors.items():
+            typer.echo(f"step {step}: {problem}", err=True)
+    if errors:
+        raise typer.Exit(1)
+
+
+@app.command()
+def resume(uri: UriArg, set_: SetOpt = None, as_json: JsonOpt = False, endpoint_url: EndpointOpt = None,
+           region: RegionOpt = None) -> None:
+    """Continue the run whose training checkpoints are at URI, with the config saved in its newest one."""
+    import tempfile
+
+    import yaml
+
+    _environment()
+    try:
+        manager = _manager(uri, endpoint_url, region)
+        complete = manager.list()
+        if not complete:
+            from memfit.errors import CheckpointError
+
+            raise CheckpointError(f"no complete training checkpoint under {uri} to resume from "
+                                  f"(`memfit checkpoints ls {uri}` shows what is there)")
+        from memfit.checkpointing import CONFIG_FILE
+
+        stored = yaml.safe_load(manager.store.get_bytes(f"{complete[-1].prefix}/{CONFIG_FILE}").decode())
+    except (MemfitError, yaml.YAMLError, UnicodeDecodeError) as err:
+        _fail(err)
+    # The stored config is data from the store, not from you: remote model code stays off unless --set says so.
+    overrides = ["model.trust_remote_code=false", f"checkpoint.uri={uri}"]
+    overrides += [f"checkpoint.{k}={v}" for k, v in (("endpoint_url", endpoint_url), ("region", region)) if v]
+    with tempfile.TemporaryDirectory(prefix="memfit-resume-") as tmp:
+        path = Path(tmp) / "resumed.yaml"
+        path.write_text(yaml.safe_dump(stored, sort_keys=False))
+        typer.echo(f"resuming {uri} from step {complete[-1].step} with the config saved in {complete[-1].uri}",
+                   err=True)
+        run(config=path, set_=overrides + list(set_ or []), as_json=as_json)
 
 
 @app.command("export")

@@ -148,13 +148,69 @@ class LoraConfig(_Section):
         return v
 
 
+class SpotWatcherConfig(_Section):
+    """Polling the cloud's instance metadata for a spot interruption notice (AWS gives 2 minutes)."""
+
+    enabled: bool | None = Field(
+        None, description="Watch for a spot interruption notice and stop as on SIGTERM (finish the step, save, "
+        "exit 75). null: $MEMFIT_SPOT_WATCHER (true/false), else off.")
+    metadata_url: str | None = Field(
+        None, description="Base URL of the instance metadata service, with or without /latest. "
+        "null: $MEMFIT_SPOT_METADATA_URL, else AWS IMDS http://169.254.169.254/latest/.")
+    poll_seconds: float = Field(5.0, gt=0.0, le=60.0, description="Seconds between polls (AWS suggests 5).")
+    timeout_seconds: float = Field(1.0, gt=0.0, le=30.0, description="Timeout of each metadata request.")
+    imdsv2: bool = Field(True, description="Take an IMDSv2 session token (PUT api/token) first; without one "
+                         "(PUT refused) the watcher falls back to IMDSv1 GETs.")
+    on_rebalance: Literal["save", "stop", "ignore"] = Field(
+        "save", description="A rebalance recommendation (higher interruption risk, before any notice): save a "
+        "training checkpoint now and go on, stop as on a notice, or only log it.")
+
+    @field_validator("metadata_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL, e.g. http://169.254.169.254/latest/")
+        return v
+
+
 class CheckpointConfig(_Section):
     uri: str = Field("runs/checkpoints", description="Where training checkpoints go: a local folder "
                      "or s3://bucket/prefix.")
     every_steps: int = Field(50, ge=1, description="Save a training checkpoint every N optimizer steps.")
     keep_last: int = Field(2, ge=1, description="Complete training checkpoints to keep.")
     resume: bool = Field(True, description="Resume from the newest complete training checkpoint at uri.")
-    grace_seconds: float = Field(30.0, gt=0, description="Time a preemption notice gives to save.")
+    grace_seconds: float = Field(
+        30.0, gt=0, description="Time a preemption notice leaves to save (Kubernetes "
+        "terminationGracePeriodSeconds, 120 s on AWS spot); a warning says when a save took longer.")
+    endpoint_url: str | None = Field(
+        None, description="s3:// only: an S3-compatible endpoint (MinIO, Ceph, moto). null: $AWS_ENDPOINT_URL_S3 "
+        "or $AWS_ENDPOINT_URL, else AWS. Credentials never go in the config: boto3 reads AWS_ACCESS_KEY_ID/"
+        "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the instance/pod role.")
+    region: str | None = Field(None, description="s3:// only: the bucket's region. null: $AWS_REGION, "
+                               "$AWS_DEFAULT_REGION or the profile.")
+    multipart_threshold_mb: int = Field(64, ge=5, le=5120, description="s3:// only: files larger than this "
+                                        "go up in parts of this size, each part retried on its own.")
+    on_busy: Literal["wait", "skip"] = Field(
+        "wait", description="A periodic save due while the previous one is still uploading: wait for it "
+        "(training stalls) or skip this one; either is logged. Final and preemption saves always wait.")
+    upload_attempts: int = Field(
+        3, ge=1, le=20, description="Attempts of a whole save (upload, then manifest) on top of botocore's "
+        "per-request retries (which ride out ~15 s): an S3 outage longer than that is retried with backoff.")
+    retry_backoff_seconds: float = Field(5.0, ge=0.0, le=600.0,
+                                         description="Wait before the 2nd save attempt; doubles each time.")
+    spot: SpotWatcherConfig = Field(default_factory=SpotWatcherConfig)
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _no_credentials_in_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL, e.g. http://minio:9000")
+        if "@" in v.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError("must not hold credentials (user:secret@host); set AWS_ACCESS_KEY_ID and "
+                             "AWS_SECRET_ACCESS_KEY in the environment instead")
+        return v
 
 
 class TrackingConfig(_Section):
@@ -310,6 +366,10 @@ def _set_dotted(tree: dict[str, Any], path: list[str], value: Any, source: str) 
     node[path[-1]] = value
 
 
+# Fields whose rejected value may hold a secret (user:password@host): the error names the field only.
+_NO_ECHO = {("checkpoint", "endpoint_url")}
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
@@ -317,7 +377,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `memfit config --defaults` lists every key)"
-        elif "input" in e and e["type"] not in ("missing",):
+        elif "input" in e and e["type"] not in ("missing",) and tuple(e["loc"]) not in _NO_ECHO:
             msg = f"{msg} (got {e['input']!r})"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)

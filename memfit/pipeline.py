@@ -9,6 +9,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ from memfit.memory.search import estimate_policy, plan_for, plan_table_markdown,
 from memfit.modeling import check_seq_len, load_model, load_model_and_tokenizer
 from memfit.preemption import stop_on_signals
 from memfit.reports import ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
-from memfit.storage import open_store
+from memfit.spot import spot_watcher
+from memfit.storage import is_remote, open_store
 from memfit.tracking import check_tracking, make_tracker
 from memfit.tracking.base import scrub_obj
 
@@ -67,9 +69,23 @@ def _staging(cfg: MemfitConfig, what: str) -> Path:
     return Path(cfg.run.work_dir) / what / key
 
 
+def open_checkpoint_store(cfg: MemfitConfig) -> Any:
+    """The store at checkpoint.uri, with the S3 settings of the config (credentials: boto3's own chain)."""
+    ck = cfg.checkpoint
+    if is_remote(ck.uri):
+        return open_store(ck.uri, endpoint_url=ck.endpoint_url, region=ck.region,
+                          multipart_threshold_mb=ck.multipart_threshold_mb)
+    for name in ("endpoint_url", "region"):
+        if getattr(ck, name) is not None:
+            raise ConfigError(f"checkpoint.{name} only applies to s3:// uris, not checkpoint.uri={ck.uri!r}")
+    return open_store(ck.uri)
+
+
 def checkpoint_manager(cfg: MemfitConfig) -> CheckpointManager:
-    return CheckpointManager(open_store(cfg.checkpoint.uri), keep_last=cfg.checkpoint.keep_last,
-                             staging_dir=_staging(cfg, "staging"))
+    ck = cfg.checkpoint
+    return CheckpointManager(open_checkpoint_store(cfg), keep_last=ck.keep_last, staging_dir=_staging(cfg, "staging"),
+                             on_busy=ck.on_busy, upload_attempts=ck.upload_attempts,
+                             retry_backoff_s=ck.retry_backoff_seconds, grace_seconds=ck.grace_seconds)
 
 
 def _git_commit() -> str | None:
@@ -97,8 +113,8 @@ def preflight(cfg: MemfitConfig) -> None:
     """Fail in seconds, before any model is built, on outputs that could not be written later."""
     _check_writable_dir(cfg.run.work_dir, "run.work_dir")
     _check_writable_dir(cfg.export.dir, "export.dir")
-    if "://" not in cfg.checkpoint.uri or cfg.checkpoint.uri.startswith("file://"):
-        open_store(cfg.checkpoint.uri).check_writable()
+    # S3 too: a missing bucket, bad credentials or a down endpoint fail here, in seconds, not after the probe.
+    open_checkpoint_store(cfg).check_writable()
     check_tracking(cfg.tracking)  # an unreachable MLflow server fails here, naming the URI, not after training
     if cfg.export.uri:
         open_store(cfg.export.uri).check_writable()
@@ -211,7 +227,7 @@ def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanRe
 # -- phase 4 ------------------------------------------------------------------------------------------
 def recover(cfg: MemfitConfig) -> ResumePoint:
     """Find the newest training checkpoint of this run that verifies, download it, check it is this run's."""
-    store = open_store(cfg.checkpoint.uri)
+    store = open_checkpoint_store(cfg)
     store.check_writable()  # a missing bucket or bad credentials fail here, before any training
     manager = CheckpointManager(store, keep_last=cfg.checkpoint.keep_last)
     point = ResumePoint(checkpoint_uri=cfg.checkpoint.uri)
@@ -266,18 +282,25 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
             tracker.set_tags({"memfit.resumed_from_step": str(resume.step)})
         else:
             _log_run_start(tracker, cfg, plan, data, probe_report)
-        with stop_on_signals() as stop:
-            result = trainer.fit(stop)
+        save_request = threading.Event()
+        with stop_on_signals() as stop, spot_watcher(cfg.checkpoint.spot, stop, save_request):
+            result = trainer.fit(stop, save_request)
     except BaseException:
         tracker.end_run("FAILED")
         raise
     finally:
         manager.close()
     if result.preempted:
-        tracker.set_tags({"memfit.status": "preempted"})
+        took = stop.seconds_since_request() or 0.0
+        grace = cfg.checkpoint.grace_seconds
+        if took > grace:
+            log.warning("the preemption save took %.1f s after the stop request, more than checkpoint.grace_seconds="
+                        "%.0f: on a real preemption the machine may be gone before it commits", took, grace)
+        tracker.set_tags({"memfit.status": "preempted", "memfit.preempted_by": result.preempt_reason or "?"})
         tracker.end_run("KILLED")
-        raise Preempted(f"preempted at step {result.steps}: training checkpoint {result.last_checkpoint_uri} "
-                        "committed; run the same command again to resume")
+        raise Preempted(f"preempted at step {result.steps} ({result.preempt_reason}): training checkpoint "
+                        f"{result.last_checkpoint_uri} committed {took:.1f} s after the stop request (grace "
+                        f"{grace:.0f} s); run the same command again to resume")
     _log_training_end(tracker, plan, probe_report, result.steps)
     return TrainReport(mlflow_run_id=run_id, **result.__dict__)
 

@@ -1,10 +1,11 @@
-"""Preemption: SIGTERM/SIGINT set a stop flag the training loop checks after each optimizer step."""
+"""Preemption: SIGTERM/SIGINT (or a spot notice) set a stop flag the training loop checks after each step."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,22 +13,41 @@ from typing import Any
 log = logging.getLogger("memfit.preemption")
 
 
-@contextmanager
-def stop_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[threading.Event]:
-    """Yield an Event set by the first SIGTERM/SIGINT; a second SIGINT interrupts as usual.
+class StopFlag(threading.Event):
+    """An Event that also records why and when it was first set (a signal name, a spot notice)."""
 
-    Handlers can only be installed from the main thread; elsewhere the event still works for callers
-    (a spot-notice watcher, a test) but signals keep their default action, and a warning says so.
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason: str | None = None
+        self.requested_at: float | None = None  # time.monotonic() of the first request
+        self._reason_lock = threading.Lock()
+
+    def request(self, reason: str) -> None:
+        with self._reason_lock:
+            if self.reason is None:
+                self.reason, self.requested_at = reason, time.monotonic()
+        self.set()
+
+    def seconds_since_request(self) -> float | None:
+        return None if self.requested_at is None else time.monotonic() - self.requested_at
+
+
+@contextmanager
+def stop_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[StopFlag]:
+    """Yield a StopFlag set by the first SIGTERM/SIGINT; a second SIGINT interrupts as usual.
+
+    Handlers can only be installed from the main thread; elsewhere the flag still works for callers
+    (the spot watcher, a test) but signals keep their default action, and a warning says so.
     """
-    stop = threading.Event()
+    stop = StopFlag()
     previous: dict[int, Any] = {}
 
     def handler(signum: int, frame: Any) -> None:
         if stop.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        log.warning("received %s: finishing the current optimizer step, then saving a training checkpoint",
-                    signal.Signals(signum).name)
-        stop.set()
+        name = signal.Signals(signum).name
+        log.warning("received %s: finishing the current optimizer step, then saving a training checkpoint", name)
+        stop.request(name)
 
     if threading.current_thread() is threading.main_thread():
         for sig in signals:

@@ -67,6 +67,9 @@ class TrainReport(_Report):
     tokens_per_s: float | None
     peak_memory_bytes: int
     last_checkpoint_uri: str | None
+    preempt_reason: str | None = None
+    checkpoint_stats: dict[str, Any] | None = Field(
+        None, description="Training-checkpoint saves: count, skipped, mean stall and snapshot seconds, upload MB/s.")
 
 
 class ExportReport(_Report):

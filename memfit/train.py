@@ -36,6 +36,8 @@ class TrainResult:
     tokens_per_s: float | None
     peak_memory_bytes: int
     last_checkpoint_uri: str | None
+    preempt_reason: str | None = None
+    checkpoint_stats: dict[str, Any] | None = None
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -83,12 +85,20 @@ class Trainer:
             "mlflow_run_id": self.tracker.run_id,
             "identity": self.identity,
         }
-        return take_snapshot(self.step, self.model.state_dict(), self.optimizer.state_dict(), rng_tensors,
+        return take_snapshot(self.step, self.model_state(), self.optimizer.state_dict(), rng_tensors,
                              state, self.cfg.to_yaml())
+
+    # Hooks for what a training checkpoint holds of the model: all weights here; with adapters (LoRA) an
+    # override returns and loads only the trainable ones (the frozen base comes from model.name_or_path).
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state, strict=True)
 
     def restore(self, ckpt: LoadedCheckpoint) -> None:
         state = ckpt.state
-        self.model.load_state_dict(ckpt.model_state, strict=True)
+        self.load_model_state(ckpt.model_state)
         self.optimizer.load_state_dict(ckpt.optimizer_state)
         sched = dict(state["scheduler"])
         sched.pop("lr_lambdas", None)  # ours is rebuilt from the config (max_steps may have grown)
@@ -145,10 +155,25 @@ class Trainer:
         self.step += 1
         return float(loss_sum), float(grad_norm)
 
-    def save(self, blocking: bool) -> None:
-        self.checkpoints.save(self.snapshot(), blocking=blocking)
+    def save(self, blocking: bool, force: bool = False, deadline: float | None = None) -> None:
+        # The snapshot is taken by the manager only if the save goes ahead (on_busy=skip may drop it).
+        fut = self.checkpoints.save(self.snapshot, blocking=blocking, force=force, deadline=deadline)
+        rec = self.checkpoints.stats.last
+        if fut is not None and rec is not None and rec.step == self.step:
+            self.tracker.log_metrics({"checkpoint_stall_s": rec.stall_s, "checkpoint_snapshot_s": rec.snapshot_s},
+                                     step=self.step)
 
-    def fit(self, stop: threading.Event | None = None) -> TrainResult:
+    def _log_committed(self) -> None:
+        for rec in self.checkpoints.completed():
+            metrics = {"checkpoint_write_upload_s": rec.write_upload_s or 0.0, "checkpoint_bytes": rec.bytes or 0}
+            if rec.upload_mb_per_s:
+                metrics["checkpoint_upload_mb_per_s"] = rec.upload_mb_per_s
+            self.tracker.log_metrics(metrics, step=rec.step)
+
+    def fit(self, stop: threading.Event | None = None, save_request: threading.Event | None = None
+            ) -> TrainResult:
+        """Train to train.max_steps; `stop` (SIGTERM, spot notice) ends after the current step with a
+        synchronous save; `save_request` (a rebalance recommendation) asks for a save now."""
         t, ck = self.cfg.train, self.cfg.checkpoint
         start = self.step
         if self.initial_val_loss is None:
@@ -179,15 +204,31 @@ class Trainer:
                     }, step=self.step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                # A background save that failed fails the run here, not `every_steps` later.
+                self.checkpoints.raise_if_failed()
+                self._log_committed()
                 if stop is not None and stop.is_set():
                     preempted = True
                     break
-                if self.step % ck.every_steps == 0 and self.step < t.max_steps:
-                    self.save(blocking=False)  # written and uploaded off the training thread
+                requested = save_request is not None and save_request.is_set()
+                if requested:
+                    save_request.clear()
+                if (self.step % ck.every_steps == 0 or requested) and self.step < t.max_steps:
+                    # Metrics up to a checkpoint are durable: after a SIGKILL the resumed run logs from there.
+                    self.tracker.flush()
+                    self.save(blocking=False, force=requested)  # written and uploaded off the training thread
         finally:
             bar.close()
-        # The final (or preemption) save is synchronous: the process may end right after it.
-        self.save(blocking=True)
+        # The final (or preemption) save is synchronous: the process may end right after it. On preemption
+        # its retries must end within the grace period that is left.
+        deadline = None
+        if preempted and getattr(stop, "requested_at", None) is not None:
+            deadline = stop.requested_at + ck.grace_seconds  # type: ignore[union-attr]
+        if self.checkpoints.last_step == self.step:
+            self.checkpoints.wait()  # this very step is already saved or being saved
+        else:
+            self.save(blocking=True, deadline=deadline)
+        self._log_committed()
         self.tracker.flush()
         elapsed = time.perf_counter() - run_t0
         latest = self.checkpoints.list()
@@ -195,7 +236,9 @@ class Trainer:
             start_step=start, steps=self.step, resumed_from=self.resumed_from, preempted=preempted,
             initial_val_loss=self.initial_val_loss, final_train_loss=last_loss,
             tokens_per_s=(run_tokens / elapsed) if run_tokens else None, peak_memory_bytes=peak_mem,
-            last_checkpoint_uri=latest[-1].uri if latest else None)
+            last_checkpoint_uri=latest[-1].uri if latest else None,
+            preempt_reason=getattr(stop, "reason", None) if preempted else None,
+            checkpoint_stats=self.checkpoints.stats.to_dict())
 
 
 @torch.no_grad()

@@ -20,5 +20,7 @@ def train_task(config: MemfitConfig, plan: PlanReport, resume: ResumePoint, prob
         return pipeline.train(config, plan, resume, probe)
     ensure_training_slots(config.deploy.concurrency_key, config.deploy.training_slots)
     # Held for the whole of training: a second run on this machine waits instead of sharing the GPU.
-    with concurrency(config.deploy.concurrency_key, occupy=1):
+    # A short lease (renewed in the background while training runs): after a SIGKILL (spot reclaim past
+    # the grace) the dead run's slot frees in about a minute, not Prefect's default 5, so the rerun resumes.
+    with concurrency(config.deploy.concurrency_key, occupy=1, lease_duration=60):
         return pipeline.train(config, plan, resume, probe)

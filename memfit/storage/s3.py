@@ -27,6 +27,21 @@ _PROBE_RETRIES = {"mode": "standard", "total_max_attempts": 2}
 _CRED_HINT = "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) or the profile"
 
 
+def _retries() -> dict[str, Any]:
+    # AWS_MAX_ATTEMPTS / AWS_RETRY_MODE win, as with every AWS tool (an explicit Config would hide them).
+    mode = os.environ.get("AWS_RETRY_MODE") or _RETRIES["mode"]
+    raw = os.environ.get("AWS_MAX_ATTEMPTS")
+    if not raw:
+        return {**_RETRIES, "mode": mode}
+    try:
+        total = int(raw)
+        if total < 1:
+            raise ValueError
+    except ValueError:
+        raise StorageError(f"AWS_MAX_ATTEMPTS={raw!r}: expected a whole number of attempts >= 1") from None
+    return {"mode": mode, "total_max_attempts": total}
+
+
 def _root_cause(exc: BaseException) -> BaseException:
     # boto3 wraps upload ClientErrors in S3UploadFailedError (chained implicitly); the
     # inner botocore error carries the code we need to give a useful message.
@@ -149,7 +164,7 @@ class S3Store:
     def client(self) -> Any:
         """The boto3 S3 client, created on first use."""
         if self._client is None:  # a race only builds a spare client; boto3 clients are thread-safe
-            self._client = self._make_client(retries=_RETRIES, connect_timeout=5, read_timeout=60)
+            self._client = self._make_client(retries=_retries(), connect_timeout=5, read_timeout=60)
         return self._client
 
     @property

@@ -6,6 +6,8 @@ import hashlib
 import json
 import logging
 import pickle
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 
 from memfit.checkpointing import MANIFEST, CheckpointManager, take_snapshot
 from memfit.errors import CheckpointError
-from memfit.storage import open_store
+from memfit.storage import LocalStore, StorageError, open_store
 
 pytestmark = pytest.mark.unit
 
@@ -111,3 +113,102 @@ def test_planted_pickle_is_never_unpickled(manager, tmp_path):
     with pytest.raises(CheckpointError):
         manager.load(info, tmp_path / "dl")
     assert not Path("/tmp/memfit-pwned").exists()
+
+
+# -- the save policy, failures, retries ------------------------------------------------------------------
+class _GatedStore(LocalStore):
+    """A LocalStore whose uploads wait for `gate` and fail while `failures` > 0 (a flaky or slow S3)."""
+
+    def __init__(self, root: Path, failures: int = 0) -> None:
+        super().__init__(root)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.failures = failures
+
+    def put_file(self, local_path, key):
+        self.gate.wait(10)
+        if self.failures > 0:
+            self.failures -= 1
+            raise StorageError(f"cannot upload to {key!r}: 503 SlowDown (injected)")
+        super().put_file(local_path, key)
+
+
+def _gated(tmp_path: Path, failures: int = 0, **kw) -> CheckpointManager:
+    return CheckpointManager(_GatedStore(tmp_path / "store", failures), keep_last=3,
+                             staging_dir=tmp_path / "staging", **kw)
+
+
+def test_on_busy_skip_drops_the_second_save_without_snapshotting(tmp_path, caplog):
+    m = _gated(tmp_path, on_busy="skip")
+    m.store.gate.clear()
+    m.save(_snapshot(1), blocking=False)
+    taken = []
+    with caplog.at_level(logging.WARNING, logger="memfit.checkpointing"):
+        assert m.save(lambda: taken.append(1) or _snapshot(2), blocking=False) is None
+    assert taken == [] and m.stats.skipped == 1 and "skipped" in caplog.text
+    m.store.gate.set()
+    m.close()
+    assert [i.step for i in m.list()] == [1]
+
+
+def test_on_busy_wait_stalls_until_the_previous_save_commits(tmp_path):
+    m = _gated(tmp_path, on_busy="wait")
+    m.store.gate.clear()
+    m.save(_snapshot(1), blocking=False)
+    threading.Timer(0.4, m.store.gate.set).start()
+    m.save(_snapshot(2), blocking=False)
+    assert m.stats.last.stall_s >= 0.3 > m.stats.last.snapshot_s
+    m.close()
+    assert [i.step for i in m.list()] == [1, 2]
+    done = m.completed()
+    assert [r.step for r in done] == [1, 2] and all(r.bytes and r.write_upload_s for r in done)
+
+
+def test_failed_background_upload_surfaces_at_next_check_and_is_never_complete(tmp_path):
+    m = _gated(tmp_path, failures=100, upload_attempts=1)
+    m.save(_snapshot(3), blocking=False)
+    for _ in range(200):
+        if not m.busy:
+            break
+        time.sleep(0.01)
+    with pytest.raises(CheckpointError, match="step 3 could not be saved") as info:
+        m.raise_if_failed()
+    assert "503 SlowDown" in str(info.value)
+    assert m.list() == [] and not m.store.exists(f"step-00000003/{MANIFEST}")
+    m.close()  # the failure was reported once; closing does not raise it again
+
+
+def test_transient_upload_failures_are_retried_with_backoff(tmp_path, caplog):
+    m = _gated(tmp_path, failures=2, upload_attempts=3, retry_backoff_s=0.01)
+    with caplog.at_level(logging.WARNING, logger="memfit.checkpointing"):
+        m.save(_snapshot(4))
+    assert [i.step for i in m.list()] == [4]
+    assert caplog.text.count("retrying in") == 2 and m.completed()[0].attempts == 3
+    m.close()
+
+
+def test_retries_stop_at_the_deadline(tmp_path):
+    m = _gated(tmp_path, failures=100, upload_attempts=10, retry_backoff_s=30)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"\(1 attempt"):
+        m.save(_snapshot(5), deadline=time.monotonic() + 2)
+    assert time.monotonic() - start < 10
+    m.close()
+
+
+def test_slow_save_warns_against_the_grace(tmp_path, caplog):
+    m = _gated(tmp_path, grace_seconds=0.05)
+    m.store.gate.clear()
+    threading.Timer(0.2, m.store.gate.set).start()
+    with caplog.at_level(logging.WARNING, logger="memfit.checkpointing"):
+        m.save(_snapshot(6))
+    assert "more than checkpoint.grace_seconds" in caplog.text
+    m.close()
+
+
+def test_scan_shows_incomplete_folders_apart(manager):
+    manager.save(_snapshot(2))
+    manager.store.put_bytes("step-00000004/model.safetensors", b"half")
+    entries = manager.scan()
+    assert [(e.step, e.status) for e in entries] == [(2, "complete"), (4, "incomplete")]
+    assert [i.step for i in manager.list()] == [2]

@@ -104,3 +104,25 @@ def test_yaml_round_trip():
 
     again = config.from_dict(yaml.safe_load(cfg.to_yaml()))
     assert again == cfg
+
+
+def test_checkpoint_s3_and_spot_settings():
+    cfg = config.load(REPO / "configs" / "tiny.yaml", [
+        "checkpoint.uri=s3://bkt/run", "checkpoint.endpoint_url=http://minio:9000", "checkpoint.region=eu-west-1",
+        "checkpoint.on_busy=skip", "checkpoint.spot.enabled=true", "checkpoint.spot.poll_seconds=2"])
+    ck = cfg.checkpoint
+    assert (ck.endpoint_url, ck.region, ck.on_busy, ck.spot.enabled, ck.spot.poll_seconds) == (
+        "http://minio:9000", "eu-west-1", "skip", True, 2.0)
+    # Unset by default: the environment (MEMFIT_SPOT_WATCHER) decides, and it is off unless set.
+    assert config.MemfitConfig().checkpoint.spot.enabled is None
+    with pytest.raises(ConfigError, match="checkpoint.on_busy"):
+        config.load(None, ["checkpoint.on_busy=sometimes"])
+    with pytest.raises(ConfigError, match="checkpoint.spot.metadata_url"):
+        config.load(None, ["checkpoint.spot.metadata_url=169.254.169.254"])
+
+
+def test_credentials_in_the_endpoint_url_are_refused_without_echo():
+    with pytest.raises(ConfigError) as e:
+        config.from_dict({"checkpoint": {"endpoint_url": "http://AKIA:hunter2@minio:9000"}})
+    assert "checkpoint.endpoint_url" in str(e.value) and "AWS_ACCESS_KEY_ID" in str(e.value)
+    assert "hunter2" not in str(e.value)
