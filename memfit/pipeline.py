@@ -109,7 +109,8 @@ def probe(cfg: MemfitConfig) -> ProbeReport:
     inputs = load_inputs(cfg)
     model = inputs.model.to(device)
     env = environment_report(device, cfg.checkpoint.uri if "://" not in cfg.checkpoint.uri else ".")
-    micro, seq = cfg.train.micro_batch_size, cfg.data.seq_len
+    # One rank's share of the micro-batch: that is what each process holds (all of it with one process).
+    micro, seq = cfg.train.micro_batch_size // cfg.distributed.world_size, cfg.data.seq_len
     with torch.random.fork_rng(devices=[]):  # the probe's batch must not shift the run's RNG stream
         torch.manual_seed(cfg.train.seed)
         batch = torch.randint(0, model.config.vocab_size, (micro, seq), device=device)
@@ -142,7 +143,9 @@ def setup_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
     if plan.precision in ("bf16-mixed", "bf16-true") and device["type"] == "cuda" and not device["bf16_supported"]:
         raise ConfigError(f"train.precision={plan.precision}: {device['name']} has no bf16; use fp16-mixed")
     log.info("optimisation stack: %s (%s)", policy.describe(), plan.reason)
-    return PlanReport(**plan.to_dict(), description=policy.describe())
+    from memfit.distributed.planning import plan_distributed
+
+    return plan_distributed(cfg, probe_report, PlanReport(**plan.to_dict(), description=policy.describe()))
 
 
 def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanReport) -> torch.nn.Module:
@@ -194,6 +197,10 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
     if resume.finished:
         log.info("run already finished at step %s (%s): not retraining", resume.step, resume.source_uri)
         return finished_train_report(cfg, resume)
+    if cfg.distributed.world_size > 1:  # torchrun runs this same training on every rank
+        from memfit.distributed.launch import train_distributed
+
+        return train_distributed(cfg, plan, resume, probe_report)
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
     inputs = load_inputs(cfg)

@@ -30,6 +30,10 @@ class PlanReport(_Report):
     grad_accum_steps: int
     reason: str
     description: str
+    strategy: str = Field("single", description="How ranks divide the work: single, ddp, fsdp2, deepspeed_zero2/3.")
+    world_size: int = Field(1, description="Training processes in all (distributed.nproc_per_node x nnodes).")
+    sharding: dict[str, Any] | None = Field(None, description="Estimated bytes per rank under the strategy "
+                                            "(memfit/memory/sharding.py per_rank_bytes).")
 
 
 class ResumePoint(_Report):
