@@ -377,6 +377,22 @@ class ShardedCheckpointer:
             raise CheckpointError(f"rank {self.rank}: uploading a sharded training checkpoint to "
                                   f"{self.store.uri} failed ({err})") from err
 
+    def drain(self, timeout_s: float) -> None:
+        """On a failure: give the save in flight a bounded chance to commit (never raises).
+
+        A rank that crashes after step N's snapshot still finishes uploading it, and rank 0 still writes
+        its manifest if every rank did, so the rerun resumes from step N rather than the save before it.
+        """
+        fut = self._inflight
+        if fut is None or self.last_step is None:
+            return
+        try:
+            fut.result(timeout=timeout_s)
+            log.info("rank %d: training checkpoint step %d finished uploading before exit", self.rank, self.last_step)
+        except Exception as err:  # noqa: BLE001 - the run is failing anyway; report, do not mask
+            log.warning("rank %d: training checkpoint step %d did not finish before exit: %s", self.rank,
+                        self.last_step, err or type(err).__name__)
+
     def close(self) -> None:
         try:
             self.wait()

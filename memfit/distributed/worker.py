@@ -99,6 +99,8 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> Train
         result = trainer.fit(stop)
         checkpointer.close()
     except BaseException:
+        # Bounded: torchrun stops the other ranks 30 s after the first one exits.
+        checkpointer.drain(timeout_s=25.0)
         tracker.end_run("FAILED")
         raise
     if info.is_main:
