@@ -19,7 +19,8 @@ import torch
 import memfit
 from memfit.checkpointing import CheckpointManager, read_checkpoint_folder
 from memfit.config import MemfitConfig
-from memfit.data import DataBundle, load_texts, data_digest, prepare_data
+from memfit.data import DataBundle, load_texts, data_digest
+from memfit.datacache import cached_data
 from memfit.env import environment_report, pin_threads, resolve_device
 from memfit.errors import CheckpointError, ConfigError, Preempted
 from memfit.memory.plan import make_plan
@@ -204,7 +205,7 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
     inputs = load_inputs(cfg)
-    data = prepare_data(cfg, inputs.tokenizer, inputs.texts)
+    data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
     model = build_training_model(cfg, inputs.model, plan)
     tracker = make_tracker(cfg.tracking)
     run_id = tracker.start_run(cfg.run.name, run_id=resume.mlflow_run_id, tags=_tags(device))
@@ -263,7 +264,7 @@ def evaluate_and_export(cfg: MemfitConfig, train_report: TrainReport) -> ExportR
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
     inputs = load_inputs(cfg)
-    data = prepare_data(cfg, inputs.tokenizer, inputs.texts)
+    data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
     manager = checkpoint_manager(cfg)
     dest = _staging(cfg, "export-src")
     shutil.rmtree(dest, ignore_errors=True)

@@ -1,0 +1,61 @@
+"""Packed training data cached on disk, keyed on the data digest, the tokenizer and the packing settings."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+from memfit.config import MemfitConfig
+from memfit.data import DataBundle, prepare_data
+
+log = logging.getLogger("memfit.data")
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of what decides token ids: the vocabulary, merges and special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    extra = json.dumps({"eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id}, sort_keys=True)
+    return hashlib.sha256((state + extra).encode()).hexdigest()
+
+
+def cache_key(cfg: MemfitConfig, digest: str, tokenizer: Any) -> str:
+    # Only what changes the packed tensors: the texts, the tokenizer, and how blocks are cut and split.
+    parts = {"digest": digest, "tokenizer": tokenizer_fingerprint(tokenizer), "seq_len": cfg.data.seq_len,
+             "val_fraction": cfg.data.val_fraction, "seed": cfg.data.seed, "format": 1}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cached_data(cfg: MemfitConfig, texts: list[str], digest: str, tokenizer: Any) -> DataBundle:
+    """prepare_data, reused across phases and runs when nothing that shapes the blocks changed."""
+    path = Path(cfg.run.work_dir) / "data-cache" / f"{cache_key(cfg, digest, tokenizer)}.safetensors"
+    if path.is_file():
+        try:
+            tensors = load_file(str(path))
+            meta = json.loads(path.with_suffix(".json").read_text())
+            log.info("packed data from cache %s", path)
+            return DataBundle(train=tensors["train"], val=tensors["val"], digest=meta["digest"],
+                              n_train_tokens=tensors["train"].numel(), n_val_tokens=tensors["val"].numel(),
+                              source=meta["source"])
+        except (OSError, ValueError, KeyError) as err:
+            log.warning("ignoring unreadable data cache %s (%s)", path, err)
+    bundle = prepare_data(cfg, tokenizer, texts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Metadata first, tensors last under their final name: a reader never sees tensors without metadata.
+    path.with_suffix(".json").write_text(json.dumps({"digest": bundle.digest, "source": bundle.source}))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({"train": bundle.train.contiguous(), "val": bundle.val.contiguous()}, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return bundle
