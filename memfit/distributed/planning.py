@@ -7,7 +7,7 @@ from typing import Any
 
 from memfit.config import MemfitConfig
 from memfit.errors import ConfigError
-from memfit.memory.sharding import GB, choose_strategy, per_rank_bytes, training_state_bytes
+from memfit.memory.sharding import choose_strategy, human, per_rank_bytes, training_state_bytes
 from memfit.reports import PlanReport, ProbeReport
 
 log = logging.getLogger("memfit.distributed")
@@ -43,7 +43,7 @@ def plan_distributed(cfg: MemfitConfig, probe: ProbeReport, plan: PlanReport) ->
         strategy = requested
         est = per_rank_bytes(s["params"], s["grads"], s["optim"], s["activations"], strategy, world,
                              block_bytes=s["block_bytes"], offload_optimizer=cfg.distributed.offload_optimizer)
-        why = f"distributed.strategy={strategy} set in the config ({est['total'] / GB:.3f} GB per rank estimated)"
+        why = f"distributed.strategy={strategy} set in the config ({human(est['total'])} per rank estimated)"
     check_strategy(strategy, plan.precision)
     if strategy in DEEPSPEED_STRATEGIES:
         from memfit.distributed.ds_config import import_deepspeed

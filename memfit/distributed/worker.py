@@ -49,7 +49,7 @@ def _agree(info: Any, job_plan: dict[str, Any], resume: ResumePoint) -> dict[str
 
 def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> TrainResult:
     from memfit import pipeline
-    from memfit.data import prepare_data
+    from memfit.datacache import cached_data
     from memfit.dist_checkpoint import ShardedCheckpointer
     from memfit.distributed.launch import REPORT_FILE, RUN_ID_FILE
     from memfit.distributed.strategies import DEEPSPEED_STRATEGIES
@@ -65,7 +65,7 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> Train
     if plan.strategy not in ("ddp", "fsdp2", *DEEPSPEED_STRATEGIES):
         raise ConfigError(f"distributed.strategy: the plan chose {plan.strategy!r}, not a multi-process strategy")
     inputs = pipeline.load_inputs(cfg)
-    data = prepare_data(cfg, inputs.tokenizer, inputs.texts)
+    data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
     model = pipeline.build_training_model(cfg, inputs.model, plan)
     tracker: Any = NullTracker()
     if info.is_main:  # MLflow from rank 0 only: one run, whatever the world size

@@ -46,6 +46,14 @@ RULES: dict[str, ShardingRule] = {
 }
 
 
+def human(nbytes: float) -> str:
+    """Bytes as GB (1e9), or MB / kB for small figures (tiny test models), for reasons and tables."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= size / 10 or unit == "kB":
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} B"  # pragma: no cover - unreachable
+
+
 def _shard(nbytes: int, divide: bool, world_size: int) -> int:
     # Each rank holds ceil(n / N): shards are padded to equal size (FSDP2 pads dim 0, ZeRO pads flat buffers).
     return math.ceil(nbytes / world_size) if divide else int(nbytes)
@@ -124,15 +132,15 @@ def choose_strategy(params: int, grads: int, optim: int, activations: int, world
     if budget_bytes is None:
         return "ddp", "no memory budget known: replicate the model (ddp, fastest)", ddp
     if ddp["total"] <= budget_bytes:
-        return "ddp", (f"a full replica needs {ddp['total'] / GB:.2f} GB per rank, within the "
-                       f"{budget_bytes / GB:.2f} GB budget: ddp"), ddp
+        return "ddp", (f"a full replica needs {human(ddp['total'])} per rank, within the "
+                       f"{human(budget_bytes)} budget: ddp"), ddp
     fsdp = per_rank_bytes(params, grads, optim, activations, "fsdp2", world_size, block_bytes=block_bytes)
     if fsdp["total"] <= budget_bytes:
-        return "fsdp2", (f"a full replica needs {ddp['total'] / GB:.2f} GB per rank, over the "
-                         f"{budget_bytes / GB:.2f} GB budget; sharded over {world_size} ranks it needs "
-                         f"{fsdp['total'] / GB:.2f} GB: fsdp2"), fsdp
-    return "fsdp2", (f"even sharded over {world_size} ranks the step needs {fsdp['total'] / GB:.2f} GB per rank, "
-                     f"over the {budget_bytes / GB:.2f} GB budget: add ranks, use gradient checkpointing, or "
+        return "fsdp2", (f"a full replica needs {human(ddp['total'])} per rank, over the "
+                         f"{human(budget_bytes)} budget; sharded over {world_size} ranks it needs "
+                         f"{human(fsdp['total'])}: fsdp2"), fsdp
+    return "fsdp2", (f"even sharded over {world_size} ranks the step needs {human(fsdp['total'])} per rank, "
+                     f"over the {human(budget_bytes)} budget: add ranks, use gradient checkpointing, or "
                      "deepspeed_zero3 with distributed.offload_optimizer=true"), fsdp
 
 
