@@ -36,6 +36,9 @@ from memfit.storage.base import ObjectStore
 
 log = logging.getLogger("memfit.dist_checkpoint")
 
+# DeepSpeed ZeRO checkpoints use the same upload / commit protocol with DeepSpeed's own files inside.
+DEEPSPEED_FORMAT = "memfit-deepspeed-training-checkpoint/1"
+DEEPSPEED_CONFIG_FILE = "deepspeed-config.json"
 METADATA_FILE = "dcp-metadata"  # DCP's ".metadata", renamed: dot-names are not allowed in a manifest
 _DCP_METADATA = ".metadata"
 
@@ -48,8 +51,13 @@ def part_key(prefix: str, rank: int) -> str:
     return f"{prefix}/part-rank{rank:05d}.json"
 
 
+def is_deepspeed_folder(folder: Path) -> bool:
+    return (folder / DEEPSPEED_CONFIG_FILE).is_file()
+
+
 def is_sharded_folder(folder: Path) -> bool:
-    return (folder / METADATA_FILE).is_file()
+    """Written by several ranks (DCP or DeepSpeed), as opposed to a single-process training checkpoint."""
+    return (folder / METADATA_FILE).is_file() or is_deepspeed_folder(folder)
 
 
 # -- reading DCP without trusting pickles ------------------------------------------------------------
@@ -188,15 +196,31 @@ def read_sharded_folder(folder: Path, info: CheckpointInfo | None = None) -> Loa
         rank0 = json.loads((folder / rng_file(0)).read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{folder}: unreadable sharded training checkpoint ({err})") from None
+    if info is None:
+        info = CheckpointInfo(step=int(state["step"]), prefix=folder.name, uri=str(folder))
+    if state.get("checkpoint_format") == DEEPSPEED_FORMAT:
+        return _read_deepspeed_folder(folder, info, state, config_yaml, rank0)
     if state.get("checkpoint_format") != SHARDED_FORMAT:
         raise CheckpointError(f"{folder}: not a {SHARDED_FORMAT} checkpoint")
     read_metadata(folder / METADATA_FILE)  # a broken or hostile index fails here, at verification
-    if info is None:
-        info = CheckpointInfo(step=int(state["step"]), prefix=folder.name, uri=str(folder))
     groups = state["optim_param_groups"]
     model = _Lazy(lambda: consolidate(folder, {"model"}).get("model", {}))
     optim = _Lazy(lambda: indexed_optimizer_state(consolidate(folder, {"optim"}).get("optim", {}), groups))
     return LoadedCheckpoint(info=info, model_state=model, optimizer_state=optim,  # type: ignore[arg-type]
+                            rng_tensors=_rng_tensors(rank0), state=state, config_yaml=config_yaml)
+
+
+def _read_deepspeed_folder(folder: Path, info: CheckpointInfo, state: dict[str, Any], config_yaml: str,
+                           rank0: dict[str, Any]) -> LoadedCheckpoint:
+    """Export reads the whole weights rank 0 wrote; the ZeRO optimizer partitions only load under DeepSpeed."""
+    from safetensors.torch import load_file
+
+    def refuse() -> dict[str, Any]:
+        raise CheckpointError(f"{info.uri}: a DeepSpeed training checkpoint resumes only under DeepSpeed on "
+                              f"{state.get('world_size')} ranks (distributed.strategy={state.get('strategy')})")
+
+    model = _Lazy(lambda: load_file(str(folder / "model.safetensors")))
+    return LoadedCheckpoint(info=info, model_state=model, optimizer_state=_Lazy(refuse),  # type: ignore[arg-type]
                             rng_tensors=_rng_tensors(rank0), state=state, config_yaml=config_yaml)
 
 
@@ -260,12 +284,9 @@ class ShardedCheckpointer:
         self.saves = 0
         self._manager = CheckpointManager(store, keep_last=keep_last) if rank == 0 else None
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             state: dict[str, Any] | None, config_yaml: str, rng: dict[str, Any], blocking: bool) -> None:
-        """Collective. `state`: the JSON resume state (rank 0 only; the optimizer groups are added here)."""
+    def begin(self, step: int) -> tuple[str, str, Path]:
+        """Collective: (prefix, save id, this node's empty staging folder) for a save of `step`."""
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self.wait()  # one save in flight per rank; a failed upload is raised here
         prefix = step_prefix(step)
@@ -277,28 +298,44 @@ class ShardedCheckpointer:
             self.store.delete(f"{prefix}/{MANIFEST}")
         local = self.staging_dir / f"{prefix}-{save_id[:12]}"
         local.mkdir(parents=True, exist_ok=True)
-        msd, osd = get_state_dict(model, optimizer)
-        dcp.save({"model": msd, "optim": osd["state"]},
-                 storage_writer=dcp.FileSystemWriter(str(local), single_file_per_rank=True, overwrite=True))
-        mine = [Path(p) for p in sorted(glob.glob(str(local / f"__{self.rank}_*.distcp")))]
+        return prefix, save_id, local
+
+    def finish(self, step: int, prefix: str, save_id: str, local: Path, mine: list[Path], rng: dict[str, Any],
+               state: dict[str, Any] | None, config_yaml: str, blocking: bool) -> None:
+        """Add this rank's RNG (and on rank 0 state.json + config.yaml), then upload and commit in the background."""
         (local / rng_file(self.rank)).write_text(json.dumps(rng))
-        mine.append(local / rng_file(self.rank))
+        mine = [*mine, local / rng_file(self.rank)]
         if self.rank == 0:
             if state is None:
                 raise ValueError("rank 0 must pass the JSON resume state")
-            # Optimizer hyper-parameters (lr, betas, ...) and the parameter names of each group, as JSON.
-            payload = {**state, "checkpoint_format": SHARDED_FORMAT, "step": step, "world_size": self.world_size,
-                       "optim_param_groups": osd["param_groups"]}
+            payload = {"checkpoint_format": SHARDED_FORMAT, **state, "step": step, "world_size": self.world_size}
             (local / STATE_FILE).write_text(json.dumps(payload, indent=2, sort_keys=True))
             (local / CONFIG_FILE).write_text(config_yaml)
-            os.replace(local / _DCP_METADATA, local / METADATA_FILE)
-            mine += [local / STATE_FILE, local / CONFIG_FILE, local / METADATA_FILE]
+            mine += [local / STATE_FILE, local / CONFIG_FILE]
         self.last_step = step
         self.saves += 1
         ctx = contextvars.copy_context()
         self._inflight = self._pool.submit(ctx.run, self._upload_and_commit, step, prefix, save_id, local, mine)
         if blocking:
             self.wait()
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             state: dict[str, Any] | None, config_yaml: str, rng: dict[str, Any], blocking: bool) -> None:
+        """Collective DCP save. `state`: the JSON resume state (rank 0 only; optimizer groups are added here)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        prefix, save_id, local = self.begin(step)
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.save({"model": msd, "optim": osd["state"]},
+                 storage_writer=dcp.FileSystemWriter(str(local), single_file_per_rank=True, overwrite=True))
+        mine = [Path(p) for p in sorted(glob.glob(str(local / f"__{self.rank}_*.distcp")))]
+        if self.rank == 0:
+            os.replace(local / _DCP_METADATA, local / METADATA_FILE)
+            mine.append(local / METADATA_FILE)
+            # Optimizer hyper-parameters (lr, betas, ...) and the parameter names of each group, as JSON.
+            state = {**(state or {}), "optim_param_groups": osd["param_groups"]}
+        self.finish(step, prefix, save_id, local, mine, rng, state, config_yaml, blocking)
 
     def _upload_and_commit(self, step: int, prefix: str, save_id: str, local: Path, files: list[Path]) -> None:
         t0 = time.perf_counter()
@@ -313,6 +350,8 @@ class ShardedCheckpointer:
         if self.rank == 0:
             self._commit(step, prefix, save_id)
             shutil.rmtree(local, ignore_errors=True)
+            if local.parent != self.staging_dir:  # DeepSpeed's <save>/<tag>/ layout: the save folder too
+                shutil.rmtree(local.parent, ignore_errors=True)
             log.info("sharded training checkpoint step %d committed to %s (%d ranks, %.2f s)", step,
                      f"{self.store.uri.rstrip('/')}/{prefix}", self.world_size, time.perf_counter() - t0)
         else:

@@ -92,8 +92,13 @@ class DistTrainer:
 
     def restore(self, folder: Path) -> None:
         """Collective: load a sharded (any world size) or single-process training checkpoint."""
-        from memfit.dist_checkpoint import is_sharded_folder
+        from memfit.dist_checkpoint import is_deepspeed_folder, is_sharded_folder
 
+        if is_deepspeed_folder(folder):
+            from memfit.errors import CheckpointError
+
+            raise CheckpointError(f"{folder}: a DeepSpeed training checkpoint; resume it with the DeepSpeed "
+                                  "strategy and world size that wrote it")
         if is_sharded_folder(folder):
             state, rng = load_into(folder, self.model, self.optimizer, self.info.rank)
         else:
