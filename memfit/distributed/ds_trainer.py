@@ -16,7 +16,7 @@ from memfit.data import BatchOrder, DataBundle
 from memfit.dist_checkpoint import (DEEPSPEED_CONFIG_FILE, DEEPSPEED_FORMAT, ShardedCheckpointer, is_deepspeed_folder,
                                     rng_file, rng_from_payload, rng_payload)
 from memfit.distributed.ds_config import config_for, import_deepspeed
-from memfit.distributed.strategies import RankInfo
+from memfit.distributed.strategies import RankInfo, check_same_weights
 from memfit.distributed.trainer import DistTrainer
 from memfit.errors import CheckpointError
 from memfit.schedule import capture_rng, lr_factor, restore_rng, seed_everything
@@ -38,6 +38,7 @@ class DeepSpeedTrainer(DistTrainer):
         self.cfg, self.strategy, self.precision, self.data, self.info = cfg, plan.strategy, plan.precision, data, info
         self.tracker, self.checkpointer, self.identity = tracker, checkpointer, identity
         t = cfg.train
+        check_same_weights(model, info)
         self.ds_config = config_for(cfg, plan, num_layers=len(find_decoder_blocks(model)))
         model.to(info.device)
         sched = functools.partial(lr_factor, warmup_steps=t.warmup_steps, max_steps=t.max_steps,

@@ -50,6 +50,17 @@ class Job(BaseModel):
         return cls.model_validate_json(Path(path).read_text())
 
 
+def store_report_key(cfg: MemfitConfig) -> str:
+    """Multi-node runs: where rank 0 (on whichever node the rendezvous put it) also leaves its report."""
+    return f"_distributed/{cfg.distributed.rdzv_id or cfg.run.name}/{REPORT_FILE}"
+
+
+def _store(cfg: MemfitConfig) -> Any:
+    from memfit.storage import open_store
+
+    return open_store(cfg.checkpoint.uri)
+
+
 def job_dir(cfg: MemfitConfig) -> Path:
     key = hashlib.sha256(f"{cfg.checkpoint.uri}|{cfg.distributed.node_rank}".encode()).hexdigest()[:12]
     return Path(cfg.run.work_dir).absolute() / "distributed" / key
@@ -139,6 +150,8 @@ def prepare_job_dir(cfg: MemfitConfig) -> Path:
     (jdir / ERRORS_DIR).mkdir(parents=True, exist_ok=True)
     for stale in [jdir / REPORT_FILE, jdir / RUN_ID_FILE, *(jdir / ERRORS_DIR).glob("*.json")]:
         stale.unlink(missing_ok=True)  # a result from an earlier attempt must not pass for this one's
+    if cfg.distributed.nnodes > 1 and cfg.distributed.node_rank == 0:
+        _store(cfg).delete(store_report_key(cfg))
     return jdir
 
 
@@ -157,6 +170,11 @@ def outcome(cfg: MemfitConfig, jdir: Path, returncode: int) -> TrainReport:
     """rank 0's report when training finished; Preempted when the ranks stopped on a signal; else the error."""
     report_path = jdir / REPORT_FILE
     report = json.loads(report_path.read_text()) if report_path.is_file() else None
+    if report is None and cfg.distributed.nnodes > 1:  # rank 0 ran on another node
+        try:
+            report = json.loads(_store(cfg).get_bytes(store_report_key(cfg)))
+        except Exception:  # noqa: BLE001 - absent: the run did not finish
+            report = None
     if report is not None and report.get("preempted"):
         raise Preempted(f"preempted at step {report['steps']}: all {cfg.distributed.world_size} ranks saved training "
                         f"checkpoint {report.get('last_checkpoint_uri')}; run the same command again to resume")

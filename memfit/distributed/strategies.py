@@ -76,6 +76,27 @@ def init_process_group(requested_backend: str, device_request: str, timeout_minu
     return RankInfo(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
 
 
+def check_same_weights(model: nn.Module, info: RankInfo) -> None:
+    """Every rank must start from the same weights (FSDP2 keeps each rank's own shard of its own copy):
+    compare a cheap fingerprint across ranks instead of broadcasting the whole model."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        fp = torch.zeros(2, dtype=torch.float64)
+        for p in model.parameters():
+            fp[0] += p.detach().double().sum().cpu()
+            fp[1] += p.detach().double().abs().sum().cpu()
+    gathered = [torch.zeros_like(fp) for _ in range(info.world_size)]
+    dist.all_gather(gathered, fp.to(info.device) if info.backend == "nccl" else fp)
+    ref = gathered[0].cpu()
+    bad = [r for r, g in enumerate(gathered) if not torch.allclose(g.cpu(), ref, rtol=1e-9, atol=0.0)]
+    if bad:
+        from memfit.errors import DistributedError
+
+        raise DistributedError(f"ranks {bad} loaded different initial weights than rank 0; every node must load "
+                               "the same model.name_or_path (same files, same preset settings)")
+
+
 def wrap_ddp(model: nn.Module, info: RankInfo) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 

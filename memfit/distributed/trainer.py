@@ -20,7 +20,8 @@ from torch import nn
 from memfit.config import MemfitConfig
 from memfit.data import BatchOrder, DataBundle
 from memfit.dist_checkpoint import ShardedCheckpointer, load_into, rng_from_payload, rng_payload
-from memfit.distributed.strategies import RankInfo, check_strategy, grad_norm_value, unwrap, wrap_ddp, wrap_fsdp2
+from memfit.distributed.strategies import (RankInfo, check_same_weights, check_strategy, grad_norm_value, unwrap,
+                                          wrap_ddp, wrap_fsdp2)
 from memfit.memory.probe import autocast_context
 from memfit.schedule import capture_rng, lr_factor, restore_rng, seed_everything
 from memfit.tracking.base import Tracker
@@ -53,6 +54,7 @@ class DistTrainer:
         self.cfg, self.strategy, self.precision, self.data, self.info = cfg, strategy, precision, data, info
         self.tracker, self.checkpointer, self.identity = tracker, checkpointer, identity
         t = cfg.train
+        check_same_weights(model, info)
         if precision == "bf16-true":
             model.to(torch.bfloat16)
         if strategy == "ddp":

@@ -107,8 +107,13 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> Train
         if result.preempted:
             tracker.set_tags({"memfit.status": "preempted"})
             tracker.end_run("KILLED")
-        _write_json(jdir / REPORT_FILE, {**result.__dict__, "mlflow_run_id": tracker.run_id,
-                                         "world_size": info.world_size, "strategy": plan.strategy})
+        report = {**result.__dict__, "mlflow_run_id": tracker.run_id, "world_size": info.world_size,
+                  "strategy": plan.strategy}
+        _write_json(jdir / REPORT_FILE, report)
+        if d.nnodes > 1:  # the flow on node 0 reads it from the store when this is another node
+            from memfit.distributed.launch import store_report_key
+
+            open_store(cfg.checkpoint.uri).put_bytes(store_report_key(cfg), json.dumps(report).encode())
     return result
 
 
