@@ -125,6 +125,9 @@ def run_torchrun(cfg: MemfitConfig, job: Job, stop: threading.Event | None = Non
     log.info("launching %d processes on this node (%d in all, strategy %s): %s", cfg.distributed.nproc_per_node,
              cfg.distributed.world_size, job.plan.get("strategy"), " ".join(cmd))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Ranks share the cores (the worker pins torch's threads the same way); set here, torchrun skips its banner.
+    env.setdefault("OMP_NUM_THREADS", str(cfg.train.num_threads or max(
+        1, min(4, (os.cpu_count() or 1) // cfg.distributed.nproc_per_node))))
     tail: collections.deque[str] = collections.deque(maxlen=40)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)

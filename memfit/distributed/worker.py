@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     _setup_logging(rank)
     set_telemetry_off()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise in the task log
     job = Job.read(Path(args[0]))
     try:
         cfg = from_dict(job.config, "job config")

@@ -220,3 +220,70 @@ def test_single_process_dcp_round_trip_and_lazy_consolidation(tmp_path):
     assert set(positional["state"]) == {0} and positional["param_groups"][1]["params"] == [1]
     assert positional["param_groups"][0]["betas"] == (0.9, 0.95)
     assert torch.equal(positional["state"][0]["exp_avg"], optim["w"]["exp_avg"])
+
+
+# -- stop forwarding and the Kubernetes manifest ----------------------------------------------------------
+def test_a_stop_request_reaches_every_rank_process(tmp_path, monkeypatch):
+    """The launcher's loop: when the flow process is told to stop, torchrun's children get SIGTERM."""
+    import sys
+    import threading
+
+    from memfit.distributed import launch
+
+    # A stand-in for torchrun: two "ranks" that record SIGTERM and exit 75, as memfit's ranks do.
+    rank = ("import signal, sys, time, pathlib\n"
+            "def h(*_):\n"
+            "    pathlib.Path(sys.argv[1]).write_text('TERM'); sys.exit(75)\n"
+            "signal.signal(signal.SIGTERM, h)\n"
+            "pathlib.Path(sys.argv[1] + '.up').write_text('up')\n"
+            "time.sleep(60)\n")
+    runner = ("import subprocess, sys\n"
+              f"ps = [subprocess.Popen([sys.executable, '-c', {rank!r}, r'{tmp_path}/rank' + str(i)]) for i in (0, 1)]\n"
+              "sys.exit(max(p.wait() for p in ps))\n")
+    monkeypatch.setattr(launch, "torchrun_command", lambda cfg, job_path: [sys.executable, "-c", runner])
+    cfg = _cfg("distributed.nproc_per_node=2")
+    job = launch.Job(config={}, plan={}, resume={}, job_dir=str(tmp_path))
+    stop = threading.Event()
+
+    def request_stop_when_ranks_are_up() -> None:
+        import time
+
+        while not ((tmp_path / "rank0.up").exists() and (tmp_path / "rank1.up").exists()):
+            time.sleep(0.05)
+        stop.set()
+
+    threading.Thread(target=request_stop_when_ranks_are_up, daemon=True).start()
+    code = launch.run_torchrun(cfg, job, stop)
+    assert code == 75
+    assert (tmp_path / "rank0").read_text() == "TERM" and (tmp_path / "rank1").read_text() == "TERM"
+
+
+def test_multinode_manifest_starts_nodes_1_to_n_minus_1(tmp_path):
+    import subprocess
+
+    import yaml
+
+    docs = list(yaml.safe_load_all((REPO / "infra" / "k8s" / "multinode.yaml").read_text()))
+    service = next(d for d in docs if d["kind"] == "Service")
+    job = next(d for d in docs if d["kind"] == "Job")
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    assert spec["backoffLimit"] == 0  # a failed node fails the run instead of rejoining a dead rendezvous
+    container = spec["template"]["spec"]["containers"][0]
+    script = container["args"][0].replace("exec memfit", "echo memfit")
+    for index, node_rank in ((0, 1), (2, 3)):
+        out = subprocess.run(container["command"] + [script], capture_output=True, text=True, check=True,
+                             env={"JOB_COMPLETION_INDEX": str(index), "PATH": os.environ["PATH"]}).stdout
+        assert out.split() == ["memfit", "launch-node", "/etc/memfit/run.yaml", "--set",
+                               f"distributed.node_rank={node_rank}"]
+    # The pod template of the Prefect pool labels the flow pod, which the Service selects for the rendezvous.
+    pool = json.loads((REPO / "infra" / "k8s" / "spot-work-pool.json").read_text())
+    assert pool["job_configuration"]["job_manifest"]["spec"]["template"]["metadata"]["labels"] == "{{ labels }}"
+
+
+def test_launch_node_needs_more_than_one_process():
+    from memfit.distributed.launch import launch_node
+
+    with pytest.raises(ConfigError, match="launch-node is for multi-process runs"):
+        launch_node(_cfg())
