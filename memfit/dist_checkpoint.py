@@ -29,8 +29,17 @@ from typing import Any
 
 import torch
 
-from memfit.checkpointing import (CONFIG_FILE, MANIFEST, SHARDED_FORMAT, STATE_FILE, CheckpointInfo,
-                                  CheckpointManager, LoadedCheckpoint, sha256_file, step_prefix)
+from memfit.checkpointing import (
+    CONFIG_FILE,
+    MANIFEST,
+    SHARDED_FORMAT,
+    STATE_FILE,
+    CheckpointInfo,
+    CheckpointManager,
+    LoadedCheckpoint,
+    sha256_file,
+    step_prefix,
+)
 from memfit.errors import CheckpointError
 from memfit.storage.base import ObjectStore
 
@@ -369,7 +378,8 @@ class ShardedCheckpointer:
                     continue
                 try:
                     marker = json.loads(self.store.get_bytes(part_key(prefix, r)))
-                except Exception:  # noqa: BLE001 - not there yet
+                except Exception as err:  # noqa: BLE001 - not there yet (or half-written: read again)
+                    log.debug("rank %d's marker for step %d not there yet (%s)", r, step, err)
                     continue
                 if marker.get("save_id") == save_id:  # a stale marker from an interrupted attempt is ignored
                     parts[r] = marker
@@ -412,7 +422,7 @@ class ShardedCheckpointer:
             fut.result()
         except CheckpointError:
             raise
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             raise CheckpointError(f"rank {self.rank}: uploading a sharded training checkpoint to "
                                   f"{self.store.uri} failed ({err})") from err
 

@@ -13,8 +13,15 @@ from torch import nn
 
 from memfit.config import MemfitConfig
 from memfit.data import BatchOrder, DataBundle
-from memfit.dist_checkpoint import (DEEPSPEED_CONFIG_FILE, DEEPSPEED_FORMAT, ShardedCheckpointer, is_deepspeed_folder,
-                                    rng_file, rng_from_payload, rng_payload)
+from memfit.dist_checkpoint import (
+    DEEPSPEED_CONFIG_FILE,
+    DEEPSPEED_FORMAT,
+    ShardedCheckpointer,
+    is_deepspeed_folder,
+    rng_file,
+    rng_from_payload,
+    rng_payload,
+)
 from memfit.distributed.ds_config import config_for, import_deepspeed
 from memfit.distributed.strategies import RankInfo, check_same_weights
 from memfit.distributed.trainer import DistTrainer

@@ -80,15 +80,22 @@ def torchrun_command(cfg: MemfitConfig, job_path: Path, python: str = sys.execut
     return cmd + ["-m", "memfit.distributed.worker", str(job_path)]
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    # torchrun runs in its own session (a terminal's Ctrl-C must reach the ranks only through us); if this
-    # process dies anyway, the kernel sends torchrun SIGTERM rather than leaving the ranks orphaned.
+def _die_with_parent_hook() -> Any:
+    """A preexec_fn for torchrun: if this process dies, the kernel sends torchrun SIGTERM (Linux).
+
+    torchrun runs in its own session (a terminal's Ctrl-C must reach the ranks only through us), so
+    without this it would outlive a killed flow process with its ranks. libc is resolved here, before the
+    fork: the hook itself only makes one system call (no imports or locks in the forked child).
+    """
+    if sys.platform != "linux":
+        return None
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except OSError:
-        pass
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _forward_stop(proc: subprocess.Popen[Any]) -> None:
@@ -130,7 +137,7 @@ def run_torchrun(cfg: MemfitConfig, job: Job, stop: threading.Event | None = Non
         1, min(4, (os.cpu_count() or 1) // cfg.distributed.nproc_per_node))))
     tail: collections.deque[str] = collections.deque(maxlen=40)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                            start_new_session=True, preexec_fn=_die_with_parent_hook())  # noqa: PLW1509
     pump = threading.Thread(target=_pump, args=(proc.stdout, tail), daemon=True, name="memfit-torchrun-log")
     pump.start()
     forwarded = False

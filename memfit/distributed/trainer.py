@@ -20,8 +20,15 @@ from torch import nn
 from memfit.config import MemfitConfig
 from memfit.data import BatchOrder, DataBundle
 from memfit.dist_checkpoint import ShardedCheckpointer, load_into, rng_from_payload, rng_payload
-from memfit.distributed.strategies import (RankInfo, check_same_weights, check_strategy, grad_norm_value, unwrap,
-                                          wrap_ddp, wrap_fsdp2)
+from memfit.distributed.strategies import (
+    RankInfo,
+    check_same_weights,
+    check_strategy,
+    grad_norm_value,
+    unwrap,
+    wrap_ddp,
+    wrap_fsdp2,
+)
 from memfit.memory.probe import autocast_context
 from memfit.schedule import capture_rng, lr_factor, restore_rng, seed_everything
 from memfit.tracking.base import Tracker
@@ -122,8 +129,11 @@ class DistTrainer:
 
     def _restore_single(self, folder: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """A single-process training checkpoint scaled out: full tensors, positional optimizer state."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                             set_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_state_dict,
+        )
 
         from memfit.checkpointing import read_checkpoint_folder
 

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         with stop_on_signals() as stop:
             info = init_process_group(cfg.distributed.backend, cfg.train.device, cfg.distributed.timeout_minutes)
             result = _run(job, cfg, info, stop)
-    except BaseException as err:  # noqa: BLE001 - every failure is reported, then this rank exits non-zero
+    except BaseException as err:
         log.error("rank %d failed: %s", rank, err, exc_info=not isinstance(err, (ConfigError,)))
         _write_error(Path(job.job_dir), rank, err)
         _exit(1, clean=False)  # no barrier: the other ranks fail on their next collective, torchrun stops them

@@ -8,10 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tests_support import tiny_overrides
 
 from memfit import config, pipeline
 from memfit.errors import DistributedError, Preempted
-from tests_support import tiny_overrides
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_tiny_ddp_flow_one_mlflow_run_and_verified_export(prefect_harness, tmp_path):
     from mlflow import MlflowClient
     from safetensors.torch import load_file
+    from tests_support import tiny_overrides
     from transformers import AutoModelForCausalLM
 
     from flows.finetune import finetune
@@ -22,7 +23,6 @@ def test_tiny_ddp_flow_one_mlflow_run_and_verified_export(prefect_harness, tmp_p
     from memfit.checkpointing import CheckpointManager
     from memfit.dist_checkpoint import consolidate
     from memfit.storage import open_store
-    from tests_support import tiny_overrides
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = config.load(REPO / "configs" / "tiny-ddp.yaml", tiny_overrides(tmp_path, uri, **{
