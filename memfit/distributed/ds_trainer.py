@@ -96,7 +96,8 @@ class DeepSpeedTrainer(DistTrainer):
         prefix, save_id, local = self.checkpointer.begin(self.step)
         self.model.save_checkpoint(str(local), tag=_TAG, save_latest=False)  # collective: each rank its part
         written = local / _TAG
-        mine = [p for p in sorted(written.iterdir())
+        # DeepSpeed's own files only (*.pt): other ranks of this node add their RNG files here meanwhile.
+        mine = [p for p in sorted(written.glob("*.pt"))
                 if _owner(p.name) == self.info.rank or (_owner(p.name) is None and self.info.is_main)]
         # Whole 16-bit weights on rank 0 for phase 5 (ZeRO-3 gathers them: collective).
         if self.ds_config["zero_optimization"]["stage"] == 3:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -152,3 +153,23 @@ def test_ddp_on_s3_rank_crash_fails_loudly_and_rerun_resumes(tmp_path, work, ref
     assert report.last_checkpoint_uri == f"s3://{bucket}/runs/ddp/step-{STEPS:08d}"
     (run,) = _runs(cfg)
     _assert_close(_losses(cfg, run.info.run_id), reference, range(1, STEPS + 1))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="DeepSpeed is an optional extra: pip install 'memfit[deepspeed]'")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_preempts_and_resumes(tmp_path, work, reference, stage):
+    cfg = _cfg(tmp_path, work, **{"distributed.nproc_per_node": 2, "distributed.strategy": f"deepspeed_zero{stage}"})
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MEMFIT_TEST_RANK_FAULT", "sigterm:0:5")
+    try:
+        with pytest.raises(Preempted, match="step 5"):
+            _train(cfg)
+    finally:
+        mp.undo()
+    assert (tmp_path / "checkpoints" / "step-00000005" / "deepspeed-config.json").is_file()
+    _, report = _train(cfg)
+    assert report.resumed_from == 5 and report.steps == STEPS
+    _assert_close(_losses(cfg, report.mlflow_run_id), reference, range(1, STEPS + 1))
+    export = pipeline.evaluate_and_export(cfg, report)  # whole weights rank 0 wrote beside the ZeRO shards
+    assert export.safetensors_max_abs_diff == 0.0
