@@ -152,6 +152,8 @@ def run_torchrun(cfg: MemfitConfig, job: Job, stop: threading.Event | None = Non
         proc.wait()
         raise
     pump.join(timeout=10)
+    if proc.stdout is not None:
+        proc.stdout.close()
     return proc.returncode
 
 
