@@ -1,13 +1,12 @@
-"""Sharded training checkpoints (torch.distributed.checkpoint): each rank writes its shard, rank 0 commits.
+"""Sharded training checkpoints (torch.distributed.checkpoint): each rank writes its shard, rank 0 commits."""
 
-Layout in the store, beside the single-process ones (`step-NNNNNNNN/`, committed by `manifest.json`):
-`__<rank>_<n>.distcp` (each rank's tensors), `dcp-metadata` (DCP's index, written by rank 0),
-`state.json` + `config.yaml` (rank 0: step, schedule, data order, optimizer hyper-parameters),
-`rng-rank<NNNNN>.json` (each rank's RNG). A save: every rank writes DCP to a local staging folder, uploads
-its own files in the background and then a small `part-rank<NNNNN>.json` marker; rank 0 waits for every
-marker of this save and writes the manifest last. Loads reshard to any world size, including a single
-process (which consolidates offline). Nothing is unpickled but DCP's index, through an allow-list.
-"""
+# Layout in the store, beside the single-process ones (`step-NNNNNNNN/`, committed by `manifest.json`):
+# `__<rank>_<n>.distcp` (each rank's tensors), `dcp-metadata` (DCP's index, written by rank 0),
+# `state.json` + `config.yaml` (rank 0: step, schedule, data order, optimizer hyper-parameters),
+# `rng-rank<NNNNN>.json` (each rank's RNG). A save: every rank writes DCP to a local staging folder, uploads
+# its own files in the background and then a small `part-rank<NNNNN>.json` marker; rank 0 waits for every
+# marker of this save and writes the manifest last. Loads reshard to any world size, including a single
+# process (which consolidates offline). Nothing is unpickled but DCP's index, through an allow-list.
 
 from __future__ import annotations
 

@@ -22,6 +22,8 @@ def setup_task(config: MemfitConfig, probe: ProbeReport) -> PlanReport:
             f"| gradient checkpointing | `{plan.policy}` — {plan.description} |",
             f"| precision | `{plan.precision}` |",
             f"| micro-batch × accumulation | {plan.micro_batch_size} × {plan.grad_accum_steps} |",
+            f"| ranks | {plan.world_size} ({plan.strategy}"
+            + (f", ≈ {plan.sharding['total'] / 1e9:.3f} GB each" if plan.sharding else "") + ") |",
             "", f"Why: {plan.reason}",
         ]),
     )

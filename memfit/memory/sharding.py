@@ -1,21 +1,20 @@
-"""How parameters, gradients and optimizer state divide across ranks per strategy: pure byte arithmetic.
+"""How parameters, gradients and optimizer state divide across ranks per strategy: pure byte arithmetic."""
 
-The estimator (or the baseline probe) says what ONE process needs; `per_rank_bytes` says what each rank
-needs under a data-parallel strategy, and `choose_strategy` picks the cheapest strategy that fits a
-per-device budget. Nothing here touches torch or a device, so `memfit plan` can answer for 8 GPUs on a
-laptop. Rules (data parallel throughout; the model is never split by layer or by tensor):
-
-| strategy        | params | grads | optimizer state | transient per rank                          |
-|-----------------|--------|-------|-----------------|---------------------------------------------|
-| single, ddp     | full   | full  | full            | none (DDP uses gradient_as_bucket_view)     |
-| deepspeed_zero2 | full   | / N   | / N             | none                                        |
-| fsdp2           | / N    | / N   | / N             | all-gathered block params (this one and the |
-| deepspeed_zero3 | / N    | / N   | / N             | prefetched next) + that block's full grads  |
-
-`offload_optimizer` (DeepSpeed only) moves the optimizer state to CPU memory: it leaves the device total
-and is reported as `cpu_offload`. Activations are never divided: each rank holds the activations of its
-own micro-batch, which is the global micro-batch / world size (`activations` is that per-rank figure).
-"""
+# The estimator (or the baseline probe) says what ONE process needs; `per_rank_bytes` says what each rank
+# needs under a data-parallel strategy, and `choose_strategy` picks the cheapest strategy that fits a
+# per-device budget. Nothing here touches torch or a device, so `memfit plan` can answer for 8 GPUs on a
+# laptop. Rules (data parallel throughout; the model is never split by layer or by tensor):
+#
+# | strategy        | params | grads | optimizer state | transient per rank                          |
+# |-----------------|--------|-------|-----------------|---------------------------------------------|
+# | single, ddp     | full   | full  | full            | none (DDP uses gradient_as_bucket_view)     |
+# | deepspeed_zero2 | full   | / N   | / N             | none                                        |
+# | fsdp2           | / N    | / N   | / N             | all-gathered block params (this one and the |
+# | deepspeed_zero3 | / N    | / N   | / N             | prefetched next) + that block's full grads  |
+#
+# `offload_optimizer` (DeepSpeed only) moves the optimizer state to CPU memory: it leaves the device total
+# and is reported as `cpu_offload`. Activations are never divided: each rank holds the activations of its
+# own micro-batch, which is the global micro-batch / world size (`activations` is that per-rank figure).
 
 from __future__ import annotations
 
