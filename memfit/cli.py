@@ -67,6 +67,10 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False)
         typer.echo(f"done: {summary.steps} steps, val loss {summary.initial_val_loss:.4f} -> "
                    f"{summary.final_val_loss:.4f}; MLflow run {summary.mlflow_run_id} at {summary.tracking_uri}; "
                    f"export {summary.safetensors_dir}" + (f" + {summary.onnx_path}" if summary.onnx_path else ""))
+        if summary.gate_passed is not None:
+            typer.echo(f"eval gate {'passed' if summary.gate_passed else 'FAILED'} ({summary.gate_reason}); "
+                       + (f"registered {summary.registered_model} version {summary.model_version}"
+                          if summary.model_version else "nothing registered"))
 
 
 @app.command()
@@ -150,6 +154,39 @@ def checkpoints_ls(uri: Annotated[str, typer.Argument(help="checkpoint.uri: a fo
         typer.echo(f"no complete training checkpoints under {uri}")
     for r in rows:
         typer.echo(f"step {r['step']:>8}  {r['bytes'] / 1e6:10.2f} MB  {r['uri']}")
+
+
+@app.command("export")
+def export_cmd(
+    checkpoint_uri: Annotated[str, typer.Argument(help="A training checkpoint: a step-NNNNNNNN folder, or a "
+                                                       "checkpoint root (its newest verified one); local or s3://.")],
+    out: Annotated[Path, typer.Option("--out", help="Output folder: OUT/hf (SafeTensors) and OUT/model.onnx.")],
+    onnx: Annotated[bool, typer.Option("--onnx/--no-onnx", help="Also export ONNX and check its parity.")] = True,
+    upload: Annotated[str | None, typer.Option("--upload", help="Also upload the export here (folder or "
+                                                                "s3://bucket/prefix), manifest last.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Export a training checkpoint to a verified SafeTensors folder and ONNX file (config from the checkpoint)."""
+    _environment()
+    try:
+        from memfit.exporting import export_checkpoint
+
+        report = export_checkpoint(checkpoint_uri, out, onnx=onnx, upload_uri=upload)
+    except MemfitError as err:
+        _fail(err)
+    lines = [f"exported step {report['step']} of {report['checkpoint']}",
+             f"SafeTensors: {report['safetensors_dir']} (reloaded, max |diff| {report['safetensors_max_abs_diff']:.2e})"]
+    if report["onnx_path"]:
+        shapes = ", ".join(f"{p['batch']}x{p['seq']}" for p in report["onnx_parity"])
+        lines.append(f"ONNX: {report['onnx_path']} (opset {report['onnx_opset']}); parity max |onnxruntime - "
+                     f"PyTorch| = {report['onnx_max_abs_diff']:.3e} over shapes {shapes} (threshold "
+                     f"{report['onnx_atol']:g}: within)")
+    if report["uploaded_uri"]:
+        lines.append(f"uploaded: {report['uploaded_uri']} (manifest.json last)")
+    for line in lines:  # with --json the human lines go to stderr: stdout is the JSON object alone
+        typer.echo(line, err=as_json)
+    if as_json:
+        typer.echo(json.dumps(report, sort_keys=True, default=str))
 
 
 def main() -> None:  # pragma: no cover - console-script shim

@@ -117,6 +117,13 @@ class TrackingConfig(_Section):
     uri: str | None = Field(None, description="MLflow tracking URI. Unset: $MLFLOW_TRACKING_URI, "
                             "else sqlite:///mlflow.db in the working folder.")
     experiment: str = Field("memfit", min_length=1, description="MLflow experiment name.")
+    required: bool = Field(True, description="An unreachable tracking server fails the run before any work "
+                           "(naming the URI); false: warn and continue with the null tracker.")
+    system_metrics: bool = Field(True, description="Log MLflow system metrics (CPU, memory, disk, network; "
+                                 "GPU through pynvml when installed) as system/* metrics.")
+    system_metrics_interval_s: float = Field(
+        10.0, ge=0.1, le=3600, description="Seconds between system-metric samples; use ~1 for short runs. "
+        "$MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL overrides it.")
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -138,6 +145,32 @@ class ExportConfig(_Section):
     onnx: bool = Field(True, description="Also export and verify ONNX.")
     onnx_atol: float = Field(1e-4, gt=0.0, description="Max abs logit difference allowed, ONNX vs PyTorch.")
     opset: int | None = Field(None, ge=13, description="ONNX opset; default: the exporter's.")
+    uri: str | None = Field(None, description="Also upload the verified export here (a folder or "
+                            "s3://bucket/prefix), files first and a manifest.json last. Unset: local only.")
+
+
+class GateConfig(_Section):
+    max_perplexity: float | None = Field(None, gt=1.0, description="Register only when validation perplexity "
+                                         "is at most this. Unset: no threshold.")
+    beat_champion: bool = Field(True, description="Register only when validation perplexity is lower than the "
+                                "current champion's (a first model, with no champion, passes).")
+
+
+class EvalConfig(_Section):
+    prompts: list[str] = Field(
+        default_factory=lambda: ["one two three", "the red fox", "3 plus 4 is"], max_length=64,
+        description="Fixed prompts whose greedy continuations are logged as an MLflow table (eval/generations).")
+    max_new_tokens: int = Field(16, ge=1, le=512, description="Tokens generated per prompt (greedy, KV cache on).")
+    gate: GateConfig = Field(default_factory=GateConfig, description="The eval gate deciding registration.")
+
+
+class RegistryConfig(_Section):
+    enabled: bool = Field(True, description="Log the export as an MLflow model and register a version when the "
+                          "eval gate passes (needs the MLflow tracker).")
+    model_name: str | None = Field(None, min_length=1, max_length=200,
+                                   description="Registered model name. Unset: run.name.")
+    alias: str = Field("champion", pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$",
+                       description="Alias moved to a version that passes the gate.")
 
 
 class DeployConfig(_Section):
@@ -232,6 +265,8 @@ class MemfitConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")

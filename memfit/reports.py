@@ -73,6 +73,10 @@ class ExportReport(_Report):
     onnx_max_abs_diff: float | None
     onnx_opset: int | None
     source_checkpoint: str
+    export_uri: str | None = Field(None, description="Where the export was uploaded (export.uri/<run id>).")
+    registry: dict[str, Any] | None = Field(None, description="Gate result and registered version (registry.py).")
+    generations: list[dict[str, Any]] = Field(default_factory=list, description="Greedy continuations of "
+                                              "eval.prompts.")
 
 
 class RunSummary(_Report):
@@ -92,3 +96,8 @@ class RunSummary(_Report):
     onnx_max_abs_diff: float | None = None
     plan: PlanReport | None = None
     baseline: dict[str, Any] | None = None
+    registered_model: str | None = Field(None, description="name@alias of the version this run registered.")
+    model_version: str | None = None
+    gate_passed: bool | None = None
+    gate_reason: str | None = None
+    export_uri: str | None = None

@@ -67,6 +67,7 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> Train
     inputs = pipeline.load_inputs(cfg)
     data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
     model = pipeline.build_training_model(cfg, inputs.model, plan)
+    probe = ProbeReport(**job.probe) if job.probe else None
     tracker: Any = NullTracker()
     if info.is_main:  # MLflow from rank 0 only: one run, whatever the world size
         tracker = make_tracker(cfg.tracking)
@@ -77,7 +78,6 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> Train
         if resume.local_dir:
             tracker.set_tags({"memfit.resumed_from_step": str(resume.step)})
         else:
-            probe = ProbeReport(**job.probe) if job.probe else None
             pipeline._log_run_start(tracker, cfg, plan, data, probe)
     checkpointer = ShardedCheckpointer(open_store(cfg.checkpoint.uri), pipeline._staging(cfg, "dcp-staging"),
                                        info.rank, info.world_size, cfg.checkpoint.keep_last,
@@ -107,6 +107,8 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> Train
         if result.preempted:
             tracker.set_tags({"memfit.status": "preempted"})
             tracker.end_run("KILLED")
+        else:  # buffered metrics written before this process ends (it exits with os._exit)
+            pipeline._log_training_end(tracker, plan, probe, result.steps)
         report = {**result.__dict__, "mlflow_run_id": tracker.run_id, "world_size": info.world_size,
                   "strategy": plan.strategy}
         _write_json(jdir / REPORT_FILE, report)
