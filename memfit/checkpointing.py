@@ -29,6 +29,8 @@ from memfit.storage.base import ObjectStore
 log = logging.getLogger("memfit.checkpointing")
 
 FORMAT = "memfit-training-checkpoint/1"
+# Written by several ranks through torch.distributed.checkpoint (memfit/dist_checkpoint.py); same layout rules.
+SHARDED_FORMAT = "memfit-sharded-training-checkpoint/1"
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -367,7 +369,7 @@ class CheckpointManager:
                 manifest = json.loads(self.store.get_bytes(f"{prefix}/{MANIFEST}"))
             except Exception:  # noqa: BLE001 - missing or unreadable manifest: not a checkpoint
                 continue
-            if manifest.get("format") != FORMAT or manifest.get("step") != step:
+            if manifest.get("format") not in (FORMAT, SHARDED_FORMAT) or manifest.get("step") != step:
                 continue
             out.append(CheckpointInfo(step=step, prefix=prefix, uri=self._uri(prefix), files=manifest["files"],
                                       created_at=manifest.get("created_at")))
@@ -436,6 +438,10 @@ class CheckpointManager:
 
 def read_checkpoint_folder(folder: Path, info: CheckpointInfo | None = None) -> LoadedCheckpoint:
     """Read a verified local checkpoint folder. Nothing is unpickled: weights_only loads and JSON."""
+    from memfit import dist_checkpoint  # lazy: it imports this module
+
+    if dist_checkpoint.is_sharded_folder(folder):
+        return dist_checkpoint.read_sharded_folder(folder, info)
     try:
         state = json.loads((folder / STATE_FILE).read_text())
         model_state = load_file(str(folder / MODEL_FILE))

@@ -172,6 +172,21 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
         raise typer.Exit(2)
 
 
+@app.command("launch-node")
+def launch_node(config: ConfigArg = None, set_: SetOpt = None) -> None:
+    """Multi-node runs: start this machine's training ranks (node 0 runs `memfit run`; set distributed.node_rank)."""
+    _environment()
+    try:
+        cfg = _load(config, set_)
+        from memfit.distributed.launch import launch_node as run_node
+
+        report = run_node(cfg)
+    except MemfitError as err:
+        _fail(err)
+    typer.echo("nothing to do: the run already finished" if report is None else
+               f"node {cfg.distributed.node_rank} done at step {report.steps}")
+
+
 @app.command("config")
 def show_config(config: ConfigArg = None, set_: SetOpt = None) -> None:
     """Print the resolved config (defaults + file + overrides) as YAML."""

@@ -307,6 +307,56 @@ class DeployConfig(_Section):
         return v
 
 
+class DistributedConfig(_Section):
+    """Several processes (GPUs, nodes) training one model; 1 process in all is today's single-process path."""
+
+    nproc_per_node: int = Field(1, ge=1, le=1024, description="Training processes on this machine (one per GPU); "
+                                "above 1 (or with nnodes above 1) training runs under torchrun.")
+    nnodes: int = Field(1, ge=1, le=4096, description="Machines taking part; each runs `memfit launch-node` "
+                        "(node 0 runs the flow).")
+    node_rank: int = Field(0, ge=0, description="This machine's index, 0..nnodes-1 (node 0 runs the flow).")
+    rdzv_backend: Literal["c10d", "static"] = Field(
+        "c10d", description="torchrun rendezvous: c10d (node 0 hosts it at rdzv_endpoint) or static "
+        "(fixed master address and node ranks).")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port every node reaches node 0 at (required with nnodes above 1); unset with one "
+        "node: torchrun --standalone picks a free local port.")
+    rdzv_id: str | None = Field(None, description="Rendezvous id shared by the nodes of one job. Unset: run.name.")
+    strategy: Literal["auto", "ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3"] = Field(
+        "auto", description="How the ranks divide the work: ddp replicates the model; fsdp2 shards parameters, "
+        "gradients and optimizer state (fully_shard per decoder block); deepspeed_zero2 shards gradients and "
+        "optimizer state, deepspeed_zero3 also parameters (pip install memfit[deepspeed]). auto: ddp when a "
+        "full replica fits the memory budget, else fsdp2.")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="Collective backend; auto: nccl on CUDA, "
+                                                     "gloo on CPU.")
+    offload_optimizer: bool = Field(False, description="deepspeed_zero2/3 only: keep the optimizer state in CPU "
+                                    "memory (ZeRO-Offload) to fit larger models at some speed cost.")
+    timeout_minutes: float = Field(30.0, gt=0, description="A collective (or a rank's training-checkpoint upload) "
+                                   "that waits longer than this fails the run instead of hanging.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DistributedConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"distributed.node_rank ({self.node_rank}) must be below distributed.nnodes "
+                             f"({self.nnodes})")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("distributed.rdzv_endpoint: set host:port of node 0 (reachable from every node) "
+                             f"when distributed.nnodes={self.nnodes}")
+        if self.rdzv_endpoint is not None:
+            host, sep, port = self.rdzv_endpoint.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"distributed.rdzv_endpoint: {self.rdzv_endpoint!r} is not host:port "
+                                 "(e.g. 10.0.0.1:29400)")
+        if self.offload_optimizer and not self.strategy.startswith("deepspeed"):
+            raise ValueError("distributed.offload_optimizer needs distributed.strategy deepspeed_zero2 or "
+                             f"deepspeed_zero3 (got {self.strategy})")
+        return self
+
+
 class MemfitConfig(_Section):
     """The whole config tree: every YAML in configs/ and every flow parameter is one of these."""
 
@@ -322,6 +372,17 @@ class MemfitConfig(_Section):
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @model_validator(mode="after")
+    def _micro_batch_splits(self) -> MemfitConfig:
+        # Each rank takes an equal slice of every global micro-batch, so losses match one process.
+        world, micro = self.distributed.world_size, self.train.micro_batch_size
+        if micro % world:
+            raise ValueError(f"train.batch_size / train.grad_accum_steps = {micro} sequences per micro-batch "
+                             f"must divide evenly across distributed.nproc_per_node x nnodes = {world} ranks; "
+                             "change train.batch_size or train.grad_accum_steps")
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -43,3 +43,7 @@ class Preempted(MemfitError):
     """Training stopped on a preemption signal after saving a training checkpoint."""
 
     exit_code = 75  # EX_TEMPFAIL: run the same command again to resume
+
+
+class DistributedError(MemfitError):
+    """A multi-process training run failed: a rank crashed, or torchrun could not start the ranks."""

@@ -129,8 +129,9 @@ def probe(cfg: MemfitConfig) -> ProbeReport:
     inputs = load_inputs(cfg)
     model = inputs.model.to(device)
     env = environment_report(device, cfg.checkpoint.uri if "://" not in cfg.checkpoint.uri else ".")
-    micro, seq = cfg.train.micro_batch_size, cfg.data.seq_len
-    with torch.random.fork_rng(devices=[]):  # the probe's batches must not shift the run's RNG stream
+    # One rank's share of the micro-batch: that is what each process holds (all of it with one process).
+    micro, seq = cfg.train.micro_batch_size // cfg.distributed.world_size, cfg.data.seq_len
+    with torch.random.fork_rng(devices=[]):  # the probe's batch must not shift the run's RNG stream
         torch.manual_seed(cfg.train.seed)
         # Two micro-batches when accumulating: the second runs with the first one's gradients alive.
         batches = [torch.randint(0, model.config.vocab_size, (micro, seq), device=device)
@@ -192,7 +193,7 @@ def setup_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
     log.info("optimisation stack: %s (%s)", policy.describe(), plan.reason)
     log.info("memory plan candidates:\n%s", plan_table_markdown(plan))
     row = plan.row(chosen)
-    return PlanReport(policy=chosen.policy, every_k=chosen.every_k or cfg.memory.every_k,
+    report = PlanReport(policy=chosen.policy, every_k=chosen.every_k or cfg.memory.every_k,
                       precision=chosen.stack.precision, micro_batch_size=chosen.stack.micro_batch_size,
                       grad_accum_steps=chosen.stack.grad_accum_steps, reason=plan.reason,
                       description=policy.describe(), block_kinds=list(chosen.kinds), lora=chosen.stack.lora,
@@ -200,6 +201,10 @@ def setup_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
                       predicted_overhead=row["predicted_overhead"], budget_bytes=budget, budget_source=source,
                       alternatives=[plan.row(e) for e in plan.table if e is not chosen],
                       table_markdown=plan_table_markdown(plan))
+    from memfit.distributed.planning import plan_distributed
+
+    # Several ranks: the strategy (DDP, FSDP2, ZeRO) and the bytes each rank holds under it.
+    return plan_distributed(cfg, probe_report, report)
 
 
 def _plan_policy(cfg: MemfitConfig, name: str, every_k: int | None, kinds: Any) -> Any:
@@ -266,6 +271,10 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
     if resume.finished:
         log.info("run already finished at step %s (%s): not retraining", resume.step, resume.source_uri)
         return finished_train_report(cfg, resume)
+    if cfg.distributed.world_size > 1:  # torchrun runs this same training on every rank
+        from memfit.distributed.launch import train_distributed
+
+        return train_distributed(cfg, plan, resume, probe_report)
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
     inputs = load_inputs(cfg)

@@ -42,6 +42,11 @@ class PlanReport(_Report):
     alternatives: list[dict[str, Any]] = Field(default_factory=list, description="Other candidates estimated.")
     table_markdown: str | None = None
 
+    strategy: str = Field("single", description="How ranks divide the work: single, ddp, fsdp2, deepspeed_zero2/3.")
+    world_size: int = Field(1, description="Training processes in all (distributed.nproc_per_node x nnodes).")
+    sharding: dict[str, Any] | None = Field(None, description="Estimated bytes per rank under the strategy "
+                                            "(memfit/memory/sharding.py per_rank_bytes).")
+
 
 class ResumePoint(_Report):
     """Phase 4: the newest verified training checkpoint of this run, downloaded and ready to restore."""

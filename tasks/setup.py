@@ -24,6 +24,9 @@ def setup_task(config: MemfitConfig, probe: ProbeReport) -> PlanReport:
             f"| micro-batch × accumulation | {plan.micro_batch_size} × {plan.grad_accum_steps} |",
             f"| LoRA | {'yes' if plan.lora else 'no'} |",
             f"| predicted peak | {(plan.predicted_peak_bytes or 0) / 1e9:.4g} GB |",
+
+            f"| ranks | {plan.world_size} ({plan.strategy}"
+            + (f", ≈ {plan.sharding['total'] / 1e9:.3f} GB each" if plan.sharding else "") + ") |",
             "", f"Why: {plan.reason}",
             "", "## Candidates estimated", "", plan.table_markdown or "(none)",
         ]),

@@ -15,7 +15,8 @@ from servers import free_port, process_group
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-SECTIONS = ["Run from the Prefect UI", "Schedule retraining", "Review in MLflow", "Deploy on spot instances"]
+SECTIONS = ["Run from the Prefect UI", "Schedule retraining", "Review in MLflow", "Deploy on spot instances",
+            "Several GPUs and machines"]
 
 
 def section_blocks(readme: str, title: str) -> list[str]:

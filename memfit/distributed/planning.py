@@ -1,0 +1,61 @@
+"""Phase 2 for several ranks: which strategy divides the training state, and what each rank then needs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from memfit.config import MemfitConfig
+from memfit.errors import ConfigError
+from memfit.memory.sharding import choose_strategy, human, per_rank_bytes, training_state_bytes
+from memfit.reports import PlanReport, ProbeReport
+
+log = logging.getLogger("memfit.distributed")
+
+
+def state_bytes_from_probe(cfg: MemfitConfig, probe: ProbeReport, precision: str) -> dict[str, int]:
+    """params / grads / optim from the parameter count; activations as measured for one rank's micro-batch."""
+    parts = training_state_bytes(probe.n_params, precision)
+    b = probe.baseline
+    breakdown = b.get("breakdown") or {}
+    if breakdown:  # CPU MemTracker: activations and temporaries measured separately
+        acts = int(breakdown.get("activation", 0)) + int(breakdown.get("temp", 0))
+    else:  # CUDA: the measured peak minus the analytic state (never below zero)
+        acts = max(0, int(b.get("peak_bytes") or 0) - sum(parts.values()))
+    block = parts["params"] // cfg.model.num_layers if not cfg.model.name_or_path else 0
+    return {**parts, "activations": acts, "block_bytes": block}
+
+
+def plan_distributed(cfg: MemfitConfig, probe: ProbeReport, plan: PlanReport) -> PlanReport:
+    """The plan with `strategy`, `world_size` and per-rank bytes (`sharding`); one process: strategy single."""
+    world = cfg.distributed.world_size
+    if world == 1:
+        return plan.model_copy(update={"strategy": "single", "world_size": 1})
+    from memfit.distributed.strategies import DEEPSPEED_STRATEGIES, check_strategy
+
+    s = state_bytes_from_probe(cfg, probe, plan.precision)
+    budget = probe.baseline.get("budget_bytes")
+    requested = cfg.distributed.strategy
+    if requested == "auto":
+        strategy, why, est = choose_strategy(s["params"], s["grads"], s["optim"], s["activations"], world, budget,
+                                             block_bytes=s["block_bytes"])
+    else:
+        strategy = requested
+        est = per_rank_bytes(s["params"], s["grads"], s["optim"], s["activations"], strategy, world,
+                             block_bytes=s["block_bytes"], offload_optimizer=cfg.distributed.offload_optimizer)
+        why = f"distributed.strategy={strategy} set in the config ({human(est['total'])} per rank estimated)"
+    check_strategy(strategy, plan.precision)
+    if strategy in DEEPSPEED_STRATEGIES:
+        from memfit.distributed.ds_config import import_deepspeed
+
+        import_deepspeed()  # missing DeepSpeed fails here, in phase 2, not after the ranks started
+    if strategy in ("fsdp2", "deepspeed_zero3") and plan.policy == "offload":
+        raise ConfigError(f"memory.policy=offload with distributed.strategy={strategy}: use full or selective "
+                          "(sharding already frees the memory offload would)")
+    log.info("distributed: %s on %d ranks: %s", strategy, world, why)
+    return plan.model_copy(update={"strategy": strategy, "world_size": world, "sharding": _jsonable(est),
+                                   "reason": f"{plan.reason}; {why}"})
+
+
+def _jsonable(est: dict[str, Any]) -> dict[str, Any]:
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in est.items()}

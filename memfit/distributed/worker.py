@@ -1,0 +1,179 @@
+"""What torchrun runs on every rank: `python -m memfit.distributed.worker JOB.json` (phase 3, one rank)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from memfit.config import MemfitConfig, from_dict
+from memfit.errors import ConfigError, DistributedError, Preempted
+from memfit.reports import PlanReport, ProbeReport, ResumePoint
+from memfit.train import TrainResult
+
+log = logging.getLogger("memfit.distributed")
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+    for noisy in ("httpx", "alembic", "urllib3", "botocore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _agree(info: Any, job_plan: dict[str, Any], resume: ResumePoint) -> dict[str, Any]:
+    """Every rank uses rank 0's plan, and every node must resume from the same step."""
+    import torch.distributed as dist
+
+    box: list[Any] = [job_plan if info.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    steps: list[Any] = [None] * info.world_size
+    dist.all_gather_object(steps, resume.step)
+    if len(set(steps)) > 1:
+        raise DistributedError(f"the nodes recovered different training checkpoints (steps by rank: {steps}); "
+                               "they must share one checkpoint.uri")
+    return box[0]
+
+
+def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> TrainResult:
+    from memfit import pipeline
+    from memfit.datacache import cached_data
+    from memfit.dist_checkpoint import ShardedCheckpointer
+    from memfit.distributed.launch import REPORT_FILE, RUN_ID_FILE
+    from memfit.distributed.strategies import DEEPSPEED_STRATEGIES
+    from memfit.env import pin_threads
+    from memfit.tracking import NullTracker, make_tracker
+
+    d, jdir = cfg.distributed, Path(job.job_dir)
+    # Ranks share the machine's cores: an even split unless train.num_threads says otherwise.
+    pin_threads(cfg.train.num_threads or max(1, min(4, (os.cpu_count() or 1) // d.nproc_per_node)))
+    resume = ResumePoint(**job.resume)
+    plan = PlanReport(**_agree(info, job.plan, resume))
+    if plan.strategy not in ("ddp", "fsdp2", *DEEPSPEED_STRATEGIES):
+        raise ConfigError(f"distributed.strategy: the plan chose {plan.strategy!r}, not a multi-process strategy")
+    inputs = pipeline.load_inputs(cfg)
+    data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
+    model = pipeline.build_training_model(cfg, inputs.model, plan)
+    probe = ProbeReport(**job.probe) if job.probe else None
+    tracker: Any = NullTracker()
+    if info.is_main:  # MLflow from rank 0 only: one run, whatever the world size
+        tracker = make_tracker(cfg.tracking)
+        tags = {**pipeline._tags(info.device), "memfit.world_size": str(info.world_size),
+                "memfit.strategy": plan.strategy}
+        tracker.start_run(cfg.run.name, run_id=resume.mlflow_run_id, tags=tags)
+        (jdir / RUN_ID_FILE).write_text(str(tracker.run_id))
+        if resume.local_dir:
+            tracker.set_tags({"memfit.resumed_from_step": str(resume.step)})
+        else:
+            pipeline._log_run_start(tracker, cfg, plan, data, probe)
+    checkpointer = ShardedCheckpointer(pipeline.open_checkpoint_store(cfg), pipeline._staging(cfg, "dcp-staging"),
+                                       info.rank, info.world_size, cfg.checkpoint.keep_last,
+                                       commit_timeout_s=d.timeout_minutes * 60)
+    try:
+        if plan.strategy in DEEPSPEED_STRATEGIES:
+            from memfit.distributed.ds_trainer import DeepSpeedTrainer
+
+            trainer: Any = DeepSpeedTrainer(cfg, plan, model, data, info, tracker, checkpointer,
+                                            pipeline.run_identity(cfg))
+        else:
+            from memfit.distributed.trainer import DistTrainer
+
+            trainer = DistTrainer(cfg, plan.strategy, plan.precision, model, data, info, tracker, checkpointer,
+                                  pipeline.run_identity(cfg))
+        if resume.local_dir:
+            trainer.restore(Path(resume.local_dir))
+            log.info("resumed from %s at step %d on %d ranks", resume.source_uri, trainer.step, info.world_size)
+        result = trainer.fit(stop)
+        checkpointer.close()
+    except BaseException:
+        # Bounded: torchrun stops the other ranks 30 s after the first one exits.
+        checkpointer.drain(timeout_s=25.0)
+        tracker.end_run("FAILED")
+        raise
+    if info.is_main:
+        if result.preempted:
+            tracker.set_tags({"memfit.status": "preempted"})
+            tracker.end_run("KILLED")
+        else:  # buffered metrics written before this process ends (it exits with os._exit)
+            pipeline._log_training_end(tracker, plan, probe, result.steps)
+        report = {**result.__dict__, "mlflow_run_id": tracker.run_id, "world_size": info.world_size,
+                  "strategy": plan.strategy}
+        _write_json(jdir / REPORT_FILE, report)
+        if d.nnodes > 1:  # the flow on node 0 reads it from the store when this is another node
+            from memfit.distributed.launch import store_report_key
+
+            pipeline.open_checkpoint_store(cfg).put_bytes(store_report_key(cfg), json.dumps(report).encode())
+    return result
+
+
+def _write_error(job_dir: Path, rank: int, err: BaseException) -> None:
+    from memfit.distributed.launch import ERRORS_DIR
+
+    lines = [ln for ln in str(err).splitlines() if ln.strip()]
+    payload = {"rank": rank, "type": type(err).__name__, "message": lines[0] if lines else type(err).__name__,
+               "traceback": "".join(traceback.format_exception(err)[-12:]), "time": time.time()}
+    try:
+        (job_dir / ERRORS_DIR).mkdir(parents=True, exist_ok=True)
+        _write_json(job_dir / ERRORS_DIR / f"rank-{rank:05d}.json", payload)
+    except OSError:
+        pass  # the traceback is on stderr as well
+
+
+def _exit(code: int, clean: bool) -> None:
+    # gloo can abort at interpreter exit after destroy_process_group (FACTS): barrier, destroy, _exit.
+    try:
+        if clean:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from memfit.distributed.launch import Job
+    from memfit.distributed.strategies import init_process_group
+    from memfit.pipeline import set_telemetry_off
+    from memfit.preemption import stop_on_signals
+
+    args = sys.argv[1:] if argv is None else argv
+    rank = int(os.environ.get("RANK", "0"))
+    _setup_logging(rank)
+    set_telemetry_off()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise in the task log
+    job = Job.read(Path(args[0]))
+    try:
+        cfg = from_dict(job.config, "job config")
+        with stop_on_signals() as stop:
+            info = init_process_group(cfg.distributed.backend, cfg.train.device, cfg.distributed.timeout_minutes)
+            result = _run(job, cfg, info, stop)
+    except BaseException as err:
+        log.error("rank %d failed: %s", rank, err, exc_info=not isinstance(err, (ConfigError,)))
+        _write_error(Path(job.job_dir), rank, err)
+        _exit(1, clean=False)  # no barrier: the other ranks fail on their next collective, torchrun stops them
+        return
+    _exit(Preempted.exit_code if result.preempted else 0, clean=True)
+
+
+if __name__ == "__main__":
+    main()

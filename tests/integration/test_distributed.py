@@ -1,0 +1,175 @@
+"""Two CPU processes under torchrun (gloo): losses match one process, sharded training checkpoints resume on
+2 and on 1 process, SIGTERM on one rank stops all of them with a save, a rank crash fails loudly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from tests_support import tiny_overrides
+
+from memfit import config, pipeline
+from memfit.errors import DistributedError, Preempted
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 8
+# One process and two ranks sum the same numbers in another order (and with other thread counts).
+LOSS_TOL = 2e-4
+
+
+def _cfg(root: Path, work: Path, **extra: object):
+    base = {"train.max_steps": STEPS, "checkpoint.every_steps": 4, "train.warmup_steps": 2,
+            "data.synthetic_docs": 400, "export.onnx": False, "run.work_dir": str(work),
+            "tracking.experiment": "dist"}
+    base.update(extra)
+    return config.load(REPO / "configs" / "tiny.yaml", tiny_overrides(root, f"sqlite:///{root / 'mlflow.db'}", **base))
+
+
+def _train(cfg):
+    probe = pipeline.probe(cfg)
+    plan = pipeline.setup_stack(cfg, probe)
+    return plan, pipeline.train(cfg, plan, pipeline.recover(cfg), probe)
+
+
+def _losses(cfg, run_id: str) -> dict[int, float]:
+    """Loss per step as MLflow shows it; after a resume the re-run steps' last values count."""
+    from mlflow import MlflowClient
+
+    history = MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "loss")
+    out: dict[int, float] = {}
+    for m in sorted(history, key=lambda m: (m.step, m.timestamp)):
+        out[m.step] = m.value
+    return out
+
+
+def _runs(cfg) -> list:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(cfg.tracking.uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    return client.search_runs([exp.experiment_id]) if exp else []
+
+
+def _assert_close(got: dict[int, float], want: dict[int, float], steps: range) -> None:
+    diffs = {s: abs(got[s] - want[s]) for s in steps}
+    assert max(diffs.values()) < LOSS_TOL, f"per-step loss differences vs one process: {diffs}"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dist-work")  # one preset build shared by every scenario
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, work) -> dict[int, float]:
+    """The single-process run every scenario is compared with (same global batch, same data order)."""
+    root = tmp_path_factory.mktemp("single")
+    cfg = _cfg(root, work)
+    _, report = _train(cfg)
+    losses = _losses(cfg, report.mlflow_run_id)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def preempted_fsdp2(tmp_path_factory, work, reference):
+    """FSDP2 + full gradient checkpointing on 2 ranks; rank 1 alone gets SIGTERM after step 5."""
+    root = tmp_path_factory.mktemp("fsdp2")
+    cfg = _cfg(root, work, **{"distributed.nproc_per_node": 2, "distributed.strategy": "fsdp2",
+                              "memory.policy": "full"})
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MEMFIT_TEST_RANK_FAULT", "sigterm:1:5")
+    try:
+        with pytest.raises(Preempted) as info:
+            _train(cfg)
+    finally:
+        mp.undo()
+    # A copy of the store and the MLflow database as they were, for the 2 -> 1 resume.
+    copy = tmp_path_factory.mktemp("fsdp2-copy")
+    shutil.copytree(root / "checkpoints", copy / "checkpoints")
+    shutil.copy(root / "mlflow.db", copy / "mlflow.db")
+    return cfg, root, copy, info.value
+
+
+def test_sigterm_on_one_rank_stops_all_with_a_sharded_save(preempted_fsdp2, reference):
+    cfg, root, _, err = preempted_fsdp2
+    assert err.exit_code == 75 and "step 5" in str(err)
+    step = root / "checkpoints" / "step-00000005"
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["format"] == "memfit-sharded-training-checkpoint/1" and manifest["world_size"] == 2
+    # Each rank wrote its own shard and RNG state; rank 0 the index and the resume state.
+    assert {"__0_0.distcp", "__1_0.distcp", "rng-rank00000.json", "rng-rank00001.json", "dcp-metadata",
+            "state.json", "config.yaml"} <= set(manifest["files"])
+    assert not list(step.glob("part-rank*"))  # commit markers are gone once the manifest exists
+    (run,) = _runs(cfg)
+    assert run.info.status == "KILLED" and run.data.tags["memfit.strategy"] == "fsdp2"
+    assert run.data.tags["memfit.world_size"] == "2"
+    _assert_close(_losses(cfg, run.info.run_id), reference, range(1, 6))
+
+
+def test_sharded_checkpoint_resumes_on_two_ranks(preempted_fsdp2, reference):
+    cfg, _, _, _ = preempted_fsdp2
+    resume = pipeline.recover(cfg)
+    assert resume.step == 5 and not resume.finished
+    _, report = _train(cfg)
+    assert report.resumed_from == 5 and report.steps == STEPS and not report.preempted
+    (run,) = _runs(cfg)  # the same MLflow run continued
+    assert run.info.run_id == report.mlflow_run_id
+    _assert_close(_losses(cfg, report.mlflow_run_id), reference, range(1, STEPS + 1))
+
+
+def test_sharded_checkpoint_resumes_in_one_process(preempted_fsdp2, reference, work):
+    _, _, copy, _ = preempted_fsdp2
+    cfg = _cfg(copy, work)  # same run, nproc_per_node=1: the single-process trainer reads the DCP shards
+    _, report = _train(cfg)
+    assert report.resumed_from == 5 and report.steps == STEPS
+    _assert_close(_losses(cfg, report.mlflow_run_id), reference, range(1, STEPS + 1))
+    # Phase 5 consolidates the (now single-process) final checkpoint and exports it as usual.
+    export = pipeline.evaluate_and_export(cfg, report)
+    assert export.safetensors_max_abs_diff == 0.0
+
+
+def test_ddp_on_s3_rank_crash_fails_loudly_and_rerun_resumes(tmp_path, work, reference, s3_bucket):
+    _, bucket = s3_bucket
+    cfg = _cfg(tmp_path, work, **{"distributed.nproc_per_node": 2, "distributed.strategy": "ddp",
+                                  "checkpoint.uri": f"s3://{bucket}/runs/ddp"})
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MEMFIT_TEST_RANK_FAULT", "crash:1:6")
+    try:
+        with pytest.raises(DistributedError, match=r"rank 1 of 2 failed: injected crash"):
+            _train(cfg)
+    finally:
+        mp.undo()
+    from memfit.checkpointing import CheckpointManager
+    from memfit.storage import open_store
+
+    assert [c.step for c in CheckpointManager(open_store(cfg.checkpoint.uri)).list()] == [4]
+    plan, report = _train(cfg)  # rerunning resumes from the last committed sharded checkpoint
+    assert plan.strategy == "ddp" and report.resumed_from == 4 and report.steps == STEPS
+    assert report.last_checkpoint_uri == f"s3://{bucket}/runs/ddp/step-{STEPS:08d}"
+    (run,) = _runs(cfg)
+    _assert_close(_losses(cfg, run.info.run_id), reference, range(1, STEPS + 1))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="DeepSpeed is an optional extra: pip install 'memfit[deepspeed]'")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_preempts_and_resumes(tmp_path, work, reference, stage):
+    cfg = _cfg(tmp_path, work, **{"distributed.nproc_per_node": 2, "distributed.strategy": f"deepspeed_zero{stage}"})
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MEMFIT_TEST_RANK_FAULT", "sigterm:0:5")
+    try:
+        with pytest.raises(Preempted, match="step 5"):
+            _train(cfg)
+    finally:
+        mp.undo()
+    assert (tmp_path / "checkpoints" / "step-00000005" / "deepspeed-config.json").is_file()
+    _, report = _train(cfg)
+    assert report.resumed_from == 5 and report.steps == STEPS
+    _assert_close(_losses(cfg, report.mlflow_run_id), reference, range(1, STEPS + 1))
+    export = pipeline.evaluate_and_export(cfg, report)  # whole weights rank 0 wrote beside the ZeRO shards
+    assert export.safetensors_max_abs_diff == 0.0

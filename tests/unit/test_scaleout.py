@@ -1,0 +1,289 @@
+"""Scale-out pieces without processes: config checks, the torchrun command, DeepSpeed's JSON, the way rank
+errors come back, the planner's strategy, and reading DCP checkpoints without trusting pickles."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit import config
+from memfit.errors import CheckpointError, ConfigError, DataError, DistributedError, Preempted
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(*overrides: str):
+    return config.load(REPO / "configs" / "tiny.yaml", list(overrides))
+
+
+# -- config ---------------------------------------------------------------------------------------------
+def test_tiny_ddp_is_two_cpu_processes():
+    cfg = config.load(REPO / "configs" / "tiny-ddp.yaml")
+    assert cfg.distributed.world_size == 2 and cfg.distributed.strategy == "ddp"
+    assert _cfg().distributed.world_size == 1  # the default stays one process
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["distributed.nproc_per_node=3"], "train.batch_size / train.grad_accum_steps = 8"),
+    (["distributed.nnodes=2"], "distributed.rdzv_endpoint"),
+    (["distributed.nnodes=2", "distributed.rdzv_endpoint=node0"], "is not host:port"),
+    (["distributed.node_rank=1"], "distributed.node_rank (1) must be below"),
+    (["distributed.offload_optimizer=true", "distributed.strategy=fsdp2"], "deepspeed_zero2"),
+    (["distributed.strategy=zero"], "distributed.strategy"),
+])
+def test_inconsistent_distributed_settings_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")):
+        _cfg(*overrides)
+
+
+# -- torchrun -------------------------------------------------------------------------------------------
+def test_torchrun_command_single_node_is_standalone():
+    from memfit.distributed.launch import torchrun_command
+
+    cmd = torchrun_command(_cfg("distributed.nproc_per_node=2"), Path("/j/job.json"), python="py")
+    assert cmd[:3] == ["py", "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and "--max-restarts=0" in cmd
+    assert cmd[-3:] == ["-m", "memfit.distributed.worker", "/j/job.json"]
+
+
+def test_torchrun_command_multi_node_uses_the_rendezvous():
+    from memfit.distributed.launch import torchrun_command
+
+    cfg = _cfg("distributed.nproc_per_node=8", "distributed.nnodes=4", "distributed.node_rank=2",
+               "distributed.rdzv_endpoint=10.0.0.1:29400", "train.batch_size=64", "train.grad_accum_steps=2")
+    cmd = torchrun_command(cfg, Path("job.json"), python="py")
+    assert "--standalone" not in cmd
+    for arg in ("--nnodes=4", "--node-rank=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
+                "--rdzv-id=tiny"):
+        assert arg in cmd
+
+
+# -- DeepSpeed ------------------------------------------------------------------------------------------
+def test_deepspeed_config_follows_the_plan():
+    from memfit.distributed.ds_config import deepspeed_config
+
+    c = deepspeed_config(stage=3, world_size=8, batch_size=64, grad_accum_steps=2, precision="bf16-mixed",
+                         max_grad_norm=1.0, lr=2e-5, weight_decay=0.1, policy="full", num_layers=32,
+                         offload_optimizer=True)
+    # DeepSpeed checks train_batch_size == micro x accumulation x world size.
+    assert c["train_batch_size"] == 64 and c["train_micro_batch_size_per_gpu"] == 4
+    assert c["gradient_accumulation_steps"] == 2 and c["gradient_clipping"] == 1.0
+    assert c["bf16"]["enabled"] and not c["fp16"]["enabled"]
+    z = c["zero_optimization"]
+    assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu"
+    assert z["stage3_gather_16bit_weights_on_model_save"] is True
+    assert c["optimizer"]["params"]["lr"] == 2e-5 and c["optimizer"]["params"]["torch_adam"] is True
+    assert c["activation_checkpointing"]["number_checkpoints"] == 32
+    json.dumps(c)  # it is written as the JSON DeepSpeed reads
+    z2 = deepspeed_config(stage=2, world_size=2, batch_size=8, grad_accum_steps=1, precision="fp16-mixed",
+                          max_grad_norm=None, lr=1e-3, weight_decay=0.0, policy="none", num_layers=2)
+    assert z2["fp16"]["enabled"] and z2["gradient_clipping"] == 0.0 and "offload_optimizer" not in \
+        z2["zero_optimization"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"stage": 1}, "stage must be 2 or 3"),
+    ({"batch_size": 10}, "multiple of"),
+    ({"precision": "bf16-true"}, "bf16-mixed"),
+])
+def test_deepspeed_config_rejects_what_deepspeed_would(kwargs, match):
+    from memfit.distributed.ds_config import deepspeed_config
+
+    args = {"stage": 2, "world_size": 2, "batch_size": 8, "grad_accum_steps": 2, "precision": "fp32",
+            "max_grad_norm": 1.0, "lr": 1e-3, "weight_decay": 0.0, "policy": "none", "num_layers": 2, **kwargs}
+    with pytest.raises(ConfigError, match=match):
+        deepspeed_config(**args)
+
+
+def test_missing_deepspeed_says_how_to_install_it():
+    from memfit.distributed.ds_config import import_deepspeed
+
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match=r"memfit\[deepspeed\]"):
+            import_deepspeed()
+    else:
+        assert import_deepspeed() is not None
+
+
+# -- planning -------------------------------------------------------------------------------------------
+def _probe(peak: int, budget: int | None, n_params: int = 1000):
+    from memfit.reports import ProbeReport
+
+    return ProbeReport(environment={}, model_source="preset:tiny-llama", n_params=n_params, baseline={
+        "peak_bytes": peak, "budget_bytes": budget, "breakdown": {"activation": 3000, "temp": 1000}})
+
+
+def _plan():
+    from memfit.reports import PlanReport
+
+    return PlanReport(policy="none", every_k=2, precision="fp32", micro_batch_size=8, grad_accum_steps=2,
+                      reason="r", description="d")
+
+
+def test_auto_strategy_is_ddp_when_a_replica_fits_else_fsdp2():
+    from memfit.distributed.planning import plan_distributed
+
+    cfg = _cfg("distributed.nproc_per_node=2")
+    roomy = plan_distributed(cfg, _probe(20_000, 10**9), _plan())
+    assert roomy.strategy == "ddp" and roomy.world_size == 2 and roomy.sharding["total"] == 16_000 + 4000
+    # 4 + 4 + 8 kB of state, 4 kB of activations: a replica needs 20 kB; sharded, 2 + 2 + 4 + 4 kB plus
+    # 6 kB of gathered blocks (2 blocks of 2 kB + one block's gradients).
+    tight = plan_distributed(cfg, _probe(20_000, 19_000), _plan())
+    assert tight.strategy == "fsdp2" and tight.sharding["params"] == 2000 and tight.sharding["total"] == 18_000
+    assert "over the 19.00 kB budget" in tight.reason and tight.reason.endswith("fsdp2")
+    one = plan_distributed(_cfg(), _probe(20_000, None), _plan())
+    assert one.strategy == "single" and one.world_size == 1
+
+
+def test_fp16_with_fsdp2_is_refused_with_the_alternative():
+    from memfit.distributed.planning import plan_distributed
+
+    cfg = _cfg("distributed.nproc_per_node=2", "distributed.strategy=fsdp2")
+    with pytest.raises(ConfigError, match="bf16-mixed"):
+        plan_distributed(cfg, _probe(1, None), _plan().model_copy(update={"precision": "fp16-mixed"}))
+
+
+# -- how a failed run comes back ------------------------------------------------------------------------
+def _job_dir(tmp_path: Path) -> Path:
+    (tmp_path / "errors").mkdir()
+    return tmp_path
+
+
+def test_outcome_reads_the_report_or_raises_the_first_rank_error(tmp_path):
+    from memfit.distributed.launch import outcome
+
+    cfg = _cfg("distributed.nproc_per_node=2")
+    jdir = _job_dir(tmp_path)
+    report = {"mlflow_run_id": "r", "start_step": 0, "steps": 8, "resumed_from": None, "preempted": False,
+              "initial_val_loss": 5.0, "final_train_loss": 4.0, "tokens_per_s": 1.0, "peak_memory_bytes": 1,
+              "last_checkpoint_uri": "x", "world_size": 2, "strategy": "ddp"}
+    (jdir / "report.json").write_text(json.dumps(report))
+    assert outcome(cfg, jdir, 0).steps == 8
+    (jdir / "report.json").write_text(json.dumps({**report, "preempted": True, "steps": 5}))
+    with pytest.raises(Preempted, match="step 5"):
+        outcome(cfg, jdir, 1)  # torchrun says 1 when ranks exit 75; the report says why
+    (jdir / "report.json").unlink()
+    (jdir / "errors" / "rank-00000.json").write_text(json.dumps(
+        {"rank": 0, "type": "RuntimeError", "message": "Connection closed by peer", "time": 2.0}))
+    (jdir / "errors" / "rank-00001.json").write_text(json.dumps(
+        {"rank": 1, "type": "RuntimeError", "message": "CUDA out of memory", "time": 1.0, "traceback": "tb"}))
+    with pytest.raises(DistributedError, match="rank 1 of 2 failed: CUDA out of memory"):
+        outcome(cfg, jdir, 1)
+    (jdir / "errors" / "rank-00001.json").write_text(json.dumps(
+        {"rank": 1, "type": "DataError", "message": "data.path: x not found", "time": 1.0}))
+    with pytest.raises(DataError, match="data.path"):  # memfit's own errors keep their class (and exit code)
+        outcome(cfg, jdir, 1)
+    for f in (jdir / "errors").iterdir():
+        f.unlink()
+    with pytest.raises(DistributedError, match="no rank reported why"):
+        outcome(cfg, jdir, -9)
+
+
+# -- DCP files ------------------------------------------------------------------------------------------
+def test_dcp_index_with_a_planted_object_is_refused(tmp_path):
+    from memfit.dist_checkpoint import read_metadata
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    path = tmp_path / "dcp-metadata"
+    path.write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match="refuses to load"):
+        read_metadata(path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_single_process_dcp_round_trip_and_lazy_consolidation(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from memfit.dist_checkpoint import METADATA_FILE, consolidate, indexed_optimizer_state, read_metadata
+
+    model = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}
+    optim = {"w": {"step": torch.tensor(3.0), "exp_avg": torch.full((2, 3), 0.5)}}
+    dcp.save({"model": model, "optim": optim}, storage_writer=dcp.FileSystemWriter(str(tmp_path)))
+    os.replace(tmp_path / ".metadata", tmp_path / METADATA_FILE)
+    read_metadata(tmp_path / METADATA_FILE)  # DCP's own index passes the allow-list
+    only_model = consolidate(tmp_path, {"model"})
+    assert set(only_model) == {"model"} and torch.equal(only_model["model"]["w"], model["w"])
+    full = consolidate(tmp_path)
+    groups = [{"params": ["w"], "lr": 1.0, "betas": [0.9, 0.95]}, {"params": ["b"], "lr": 1.0}]
+    positional = indexed_optimizer_state(full["optim"], groups)
+    assert set(positional["state"]) == {0} and positional["param_groups"][1]["params"] == [1]
+    assert positional["param_groups"][0]["betas"] == (0.9, 0.95)
+    assert torch.equal(positional["state"][0]["exp_avg"], optim["w"]["exp_avg"])
+
+
+# -- stop forwarding and the Kubernetes manifest ----------------------------------------------------------
+def test_a_stop_request_reaches_every_rank_process(tmp_path, monkeypatch):
+    """The launcher's loop: when the flow process is told to stop, torchrun's children get SIGTERM."""
+    import sys
+    import threading
+
+    from memfit.distributed import launch
+
+    # A stand-in for torchrun: two "ranks" that record SIGTERM and exit 75, as memfit's ranks do.
+    rank = ("import signal, sys, time, pathlib\n"
+            "def h(*_):\n"
+            "    pathlib.Path(sys.argv[1]).write_text('TERM'); sys.exit(75)\n"
+            "signal.signal(signal.SIGTERM, h)\n"
+            "pathlib.Path(sys.argv[1] + '.up').write_text('up')\n"
+            "time.sleep(60)\n")
+    runner = ("import subprocess, sys\n"
+              f"ps = [subprocess.Popen([sys.executable, '-c', {rank!r}, r'{tmp_path}/rank' + str(i)]) for i in (0, 1)]\n"
+              "sys.exit(max(p.wait() for p in ps))\n")
+    monkeypatch.setattr(launch, "torchrun_command", lambda cfg, job_path: [sys.executable, "-c", runner])
+    cfg = _cfg("distributed.nproc_per_node=2")
+    job = launch.Job(config={}, plan={}, resume={}, job_dir=str(tmp_path))
+    stop = threading.Event()
+
+    def request_stop_when_ranks_are_up() -> None:
+        import time
+
+        while not ((tmp_path / "rank0.up").exists() and (tmp_path / "rank1.up").exists()):
+            time.sleep(0.05)
+        stop.set()
+
+    threading.Thread(target=request_stop_when_ranks_are_up, daemon=True).start()
+    code = launch.run_torchrun(cfg, job, stop)
+    assert code == 75
+    assert (tmp_path / "rank0").read_text() == "TERM" and (tmp_path / "rank1").read_text() == "TERM"
+
+
+def test_multinode_manifest_starts_nodes_1_to_n_minus_1(tmp_path):
+    import subprocess
+
+    import yaml
+
+    docs = list(yaml.safe_load_all((REPO / "infra" / "k8s" / "multinode.yaml").read_text()))
+    service = next(d for d in docs if d["kind"] == "Service")
+    job = next(d for d in docs if d["kind"] == "Job")
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    assert spec["backoffLimit"] == 0  # a failed node fails the run instead of rejoining a dead rendezvous
+    container = spec["template"]["spec"]["containers"][0]
+    script = container["args"][0].replace("exec memfit", "echo memfit")
+    for index, node_rank in ((0, 1), (2, 3)):
+        out = subprocess.run(container["command"] + [script], capture_output=True, text=True, check=True,
+                             env={"JOB_COMPLETION_INDEX": str(index), "PATH": os.environ["PATH"]}).stdout
+        assert out.split() == ["memfit", "launch-node", "/etc/memfit/run.yaml", "--set",
+                               f"distributed.node_rank={node_rank}"]
+    # The pod template of the Prefect pool labels the flow pod, which the Service selects for the rendezvous.
+    pool = json.loads((REPO / "infra" / "k8s" / "spot-work-pool.json").read_text())
+    assert pool["job_configuration"]["job_manifest"]["spec"]["template"]["metadata"]["labels"] == "{{ labels }}"
+
+
+def test_launch_node_needs_more_than_one_process():
+    from memfit.distributed.launch import launch_node
+
+    with pytest.raises(ConfigError, match="launch-node is for multi-process runs"):
+        launch_node(_cfg())

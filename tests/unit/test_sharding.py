@@ -1,0 +1,85 @@
+"""Per-rank memory under DDP / FSDP2 / ZeRO: the byte arithmetic `memfit plan` shows for many GPUs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from memfit.memory.sharding import choose_strategy, format_table, per_rank_bytes, training_state_bytes
+
+pytestmark = pytest.mark.unit
+GB = 1e9
+
+
+def llama3_8b_params() -> tuple[int, int]:
+    """(total, largest block) parameter counts of Llama-3-8B from its shape (untied embeddings)."""
+    hidden, inter, layers, vocab, heads, kv_heads = 4096, 14336, 32, 128256, 32, 8
+    head_dim = hidden // heads
+    attn = hidden * hidden * 2 + 2 * hidden * kv_heads * head_dim  # q, o + k, v
+    block = attn + 3 * hidden * inter + 2 * hidden  # + gate/up/down + two RMSNorms
+    return layers * block + 2 * vocab * hidden + hidden, block
+
+
+def test_llama3_8b_on_8_gpus_fsdp_shards_params_grads_and_optimizer():
+    n, block = llama3_8b_params()
+    assert n == 8_030_261_248  # the published parameter count: the shape above is right
+    s = training_state_bytes(n, "bf16-mixed")  # fp32 master weights, fp32 grads, two fp32 Adam moments
+    assert (s["params"], s["grads"], s["optim"]) == (4 * n, 4 * n, 8 * n)
+    acts = int(6e9)
+    fsdp = per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "fsdp2", 8, block_bytes=4 * block)
+    assert fsdp["params"] == math.ceil(4 * n / 8) and fsdp["optim"] == math.ceil(8 * n / 8)
+    assert fsdp["transient"] == 3 * 4 * block  # two gathered blocks + one block's full gradients
+    assert fsdp["total"] == fsdp["params"] + fsdp["grads"] + fsdp["optim"] + acts + fsdp["transient"]
+    assert 24 * GB < fsdp["total"] < 26 * GB  # ~16 GB of sharded state + activations + ~2.6 GB gathered
+    ddp = per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "ddp", 8)
+    assert ddp["total"] == 16 * n + acts  # every GPU holds everything: ~134 GB, more than an 80 GB H100
+    zero2 = per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "deepspeed_zero2", 8)
+    assert zero2["params"] == 4 * n and zero2["grads"] == math.ceil(4 * n / 8)
+    strategy, why, est = choose_strategy(s["params"], s["grads"], s["optim"], acts, 8, int(80 * GB),
+                                         block_bytes=4 * block)
+    assert strategy == "fsdp2" and est == fsdp and "80.00 GB" in why
+    table = format_table([ddp, zero2, fsdp])
+    assert "fsdp2" in table and f"{fsdp['total'] / GB:.2f}" in table
+
+
+def test_more_ranks_means_less_per_rank_only_for_sharded_parts():
+    a = per_rank_bytes(800, 800, 1600, 100, "fsdp2", 2)
+    b = per_rank_bytes(800, 800, 1600, 100, "fsdp2", 4)
+    assert (a["params"], b["params"]) == (400, 200) and a["activations"] == b["activations"] == 100
+    assert per_rank_bytes(800, 800, 1600, 100, "ddp", 4)["total"] == 3300
+    # Shards are padded to equal size: 1001 bytes over 4 ranks is 251 each.
+    assert per_rank_bytes(1001, 0, 0, 0, "fsdp2", 4)["params"] == 251
+
+
+def test_deepspeed_offload_moves_optimizer_state_to_cpu():
+    est = per_rank_bytes(800, 800, 1600, 0, "deepspeed_zero3", 4, offload_optimizer=True)
+    assert est["optim"] == 0 and est["cpu_offload"] == 400 and est["total"] == 200 + 200
+
+
+def test_ddp_when_a_replica_fits_and_single_for_one_process():
+    assert choose_strategy(100, 100, 200, 50, 4, 1000)[0] == "ddp"
+    assert choose_strategy(100, 100, 200, 50, 4, None)[0] == "ddp"
+    assert choose_strategy(100, 100, 200, 50, 1, 10)[0] == "single"
+    strategy, why, _ = choose_strategy(10**9, 10**9, 2 * 10**9, 0, 2, 10**6)
+    assert strategy == "fsdp2" and "offload_optimizer" in why  # nothing fits: says what to try
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"strategy": "zero9"}, "unknown strategy"),
+    ({"strategy": "fsdp2", "world_size": 0}, "world_size"),
+    ({"strategy": "single", "world_size": 2}, "one process"),
+    ({"strategy": "fsdp2", "offload_optimizer": True}, "DeepSpeed"),
+    ({"strategy": "ddp", "params": -1}, "params"),
+])
+def test_bad_input_is_a_clear_error(kwargs, match):
+    args = {"params": 1, "grads": 1, "optim": 1, "activations": 1, "strategy": "ddp", "world_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        per_rank_bytes(**args)
+
+
+def test_bf16_true_halves_everything_and_frozen_params_cost_only_weights():
+    assert training_state_bytes(10, "bf16-true") == {"params": 20, "grads": 20, "optim": 40}
+    assert training_state_bytes(10, "fp32", n_frozen=90) == {"params": 400, "grads": 40, "optim": 80}
+    with pytest.raises(ValueError):
+        training_state_bytes(10, "int3")
