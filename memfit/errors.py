@@ -39,3 +39,9 @@ class Preempted(MemfitError):
     """Training stopped on a preemption signal after saving a training checkpoint."""
 
     exit_code = 75  # EX_TEMPFAIL: run the same command again to resume
+
+
+class MemoryLimitError(MemfitError):
+    """Training stopped at the memory limit (monitor.stop_at_fraction), or ran out of memory."""
+
+    exit_code = 76  # distinct from a preemption (75): rerunning unchanged would hit the same limit

@@ -22,7 +22,7 @@ from memfit.config import MemfitConfig
 from memfit.data import DataBundle, load_texts, data_digest
 from memfit.datacache import cached_data
 from memfit.env import environment_report, pin_threads, resolve_device
-from memfit.errors import CheckpointError, ConfigError, Preempted
+from memfit.errors import CheckpointError, ConfigError, MemoryLimitError, Preempted
 from memfit.memory.plan import make_plan
 from memfit.memory.policies import apply_policy, make_policy
 from memfit.memory.probe import budget_bytes, measure_step, verdict
@@ -217,6 +217,9 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
         raise
     finally:
         manager.close()
+    if trainer.monitor.stop_requested and result.steps < cfg.train.max_steps:
+        tracker.end_run("KILLED")
+        raise MemoryLimitError(f"{trainer.monitor.stop_message} (training checkpoint {result.last_checkpoint_uri})")
     if result.preempted:
         tracker.set_tags({"memfit.status": "preempted"})
         tracker.end_run("KILLED")
