@@ -167,11 +167,12 @@ def downsample(curves: dict[str, list[int]], max_points: int) -> dict[str, Any]:
 def markdown(name: str, description: str, summary: dict[str, Any]) -> str:
     """One policy's section of modules.md: headline figures, then the per-module table (MB)."""
     s = summary
-    lines = [f"## policy `{name}`", "", description, "",
-             f"- peak: **{s['peak_bytes'] / MB:.2f} MB** ({s['peak_at']['phase']}, `{s['peak_at']['op']}` in "
-             f"`{s['peak_at']['module']}`)" if s.get("peak_at") else f"- peak: {s['peak_bytes'] / MB:.2f} MB",
-             f"- peak activation memory (saved + recomputed): **{s['peak_activation_bytes'] / MB:.2f} MB**; "
-             f"activations alive after the first forward: {s['activation_bytes_after_forward'] / MB:.2f} MB",
+    peak = f"- peak: **{s['peak_bytes'] / MB:.2f} MB**"
+    if s.get("peak_at"):
+        peak += f" ({s['peak_at']['phase']}, `{s['peak_at']['op']}` in `{s['peak_at']['module']}`)"
+    lines = [f"## policy `{name}`", "", description, "", peak,
+             (f"- peak activation memory (saved + recomputed): **{s['peak_activation_bytes'] / MB:.2f} MB**; "
+              f"activations alive after the first forward: {s['activation_bytes_after_forward'] / MB:.2f} MB"),
              "- phase peaks: " + ", ".join(f"{k} {v / MB:.2f} MB" for k, v in s["phase_peaks"].items()), ""]
     cols = [("params_bytes", "params"), ("grads_bytes", "grads"), ("optimizer_bytes", "optimizer"),
             ("activation_bytes", "activations"), ("recomputed_bytes", "recomputed"),

@@ -220,10 +220,10 @@ class MemoryMonitor:
                 "fraction": round(r.fraction or 0.0, 6), **{k: v for k, v in asdict(r).items()}}
 
     def _emit(self, event: dict[str, Any]) -> None:
-        for sink in list(_SINKS):
+        for sink in _SINKS:
             try:
                 sink(event)
-            except Exception:  # noqa: BLE001 - a broken event sink must not stop training
+            except Exception:
                 log.exception("memory event sink %r failed", sink)
 
     def _warn(self, r: MemoryReading) -> None:

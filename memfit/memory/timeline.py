@@ -89,7 +89,7 @@ class LiveBytes(TorchDispatchMode):
     def _phase(self) -> str:
         return ""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if tensors:
@@ -217,7 +217,7 @@ class StepTimeline(LiveBytes):
         super().__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         self.closed = True  # releases after the region (the next step's) are not part of this timeline
         self._mods.__exit__(*exc)

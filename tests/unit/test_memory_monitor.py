@@ -9,8 +9,14 @@ import torch
 from torch import nn
 
 from memfit.config import MonitorConfig
-from memfit.memory.monitor import (LIMIT_EVENT, WARNING_EVENT, Budget, MemoryMonitor, event_sink,
-                                   resolve_budget)
+from memfit.memory.monitor import (
+    LIMIT_EVENT,
+    WARNING_EVENT,
+    Budget,
+    MemoryMonitor,
+    event_sink,
+    resolve_budget,
+)
 
 pytestmark = pytest.mark.unit
 
