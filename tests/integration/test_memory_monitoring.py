@@ -182,3 +182,22 @@ def test_stop_at_the_limit_commits_a_checkpoint_and_exits_76(prefect_harness, ca
     assert limit.payload["step"] == infos[0].step and limit.payload["peak_bytes"] > limit.payload["budget_bytes"]
     assert limit.resource.id == "memfit.run.tiny"
     assert any(r.role == "flow-run" for r in limit.related)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_profile_on_cuda_writes_the_allocator_snapshot_html_and_trace(tmp_path):
+    from memfit.profile import profile
+
+    cfg = _config(tmp_path, **{"train.device": "cuda", "tracking.backend": "null"})
+    result = profile(cfg, out_dir=tmp_path / "out", steps=2, compare=["none", "full"])
+    files = result["files"]
+    for name in ("none", "full"):
+        assert Path(files[f"cuda_snapshot_{name}"]).stat().st_size > 0
+        html = Path(files[f"cuda_memory_html_{name}"]).read_text()
+        assert "<html" in html.lower() and "snapshot.pickle" in html
+        trace = json.loads(Path(files[f"trace_{name}"]).read_text())
+        assert any(e.get("name") == "[memory]" for e in trace["traceEvents"])
+    full, none = result["policies"]["full"], result["policies"]["none"]
+    assert full["peak_activation_bytes"] < none["peak_activation_bytes"]
+    assert result["workload"]["device"].startswith("cuda")
