@@ -78,8 +78,9 @@ def profile(cfg: MemfitConfig, out_dir: str | Path | None = None, steps: int = 3
         summaries[name], extra = _profile_policy(cfg, inputs.model, data, device, name, steps, out,
                                                  trace=trace or cuda, cuda_history=cuda)
         files.update(extra)
-    subtitle = (f"{workload['model_source']}, micro-batch {workload['micro_batch_size']} x {workload['seq_len']} "
-                f"tokens x {workload['grad_accum_steps']} accumulation, {workload['precision']}, {device}")
+    subtitle = (f"{workload['model_source']} ({workload['n_params'] / 1e6:.3g} M parameters), micro-batch "
+                f"{workload['micro_batch_size']} x {workload['seq_len']} tokens x {workload['grad_accum_steps']} "
+                f"accumulation, {workload['precision']}, {device}")
     files.update(_write_outputs(out, workload, summaries, subtitle))
     result = {"out_dir": str(out.absolute()), "workload": workload, "files": files,
               "policies": {n: {k: v for k, v in s.items() if k not in _NO_TIMELINE} for n, s in summaries.items()}}

@@ -100,7 +100,8 @@ def summarize(tl: StepTimeline, model: nn.Module, optimizer: Any, max_points: in
             {"bytes": r.nbytes, "op": r.op, "module": r.module or TOP_LEVEL, "phase": r.phase, "category": r.category}
             for r in sorted((r for r in tl.allocs if r.phase != "before"), key=lambda r: -r.nbytes)[:10]],
         "modules": module_table(tl, model, optimizer),
-        "timeline": downsample(curves, max_points),
+        # The step starts after the state adopted before it (parameters, optimizer state): a flat baseline.
+        "timeline": downsample(curves, max_points, start=max(0, sum(r.phase == "before" for r in tl.allocs) - 1)),
     }
 
 
@@ -152,14 +153,15 @@ def module_table(tl: StepTimeline, model: nn.Module, optimizer: Any) -> list[dic
     return table
 
 
-def downsample(curves: dict[str, list[int]], max_points: int) -> dict[str, Any]:
-    """At most `max_points` samples, each bucket represented by its highest total (peaks survive)."""
+def downsample(curves: dict[str, list[int]], max_points: int, start: int = 0) -> dict[str, Any]:
+    """At most `max_points` samples from event `start` on (renumbered from 0; spans and `peak_at` keep the
+    original numbering), each bucket represented by its highest total, so peaks survive."""
     total = curves["total"]
     n = len(total)
-    step = max(1, -(-n // max_points))
-    idx = [max(range(s, min(s + step, n)), key=total.__getitem__) for s in range(0, n, step)]
+    step = max(1, -(-(n - start) // max_points))
+    idx = [max(range(s, min(s + step, n)), key=total.__getitem__) for s in range(start, n, step)]
     keep = [c for c in CATEGORIES if any(curves[c])]
-    return {"event": idx, "total": [total[i] for i in idx],
+    return {"event": [i - start for i in idx], "start": start, "total": [total[i] for i in idx],
             "categories": {c: [curves[c][i] for i in idx] for c in keep},
             "activations": [sum(curves[c][i] for c in ACTIVATION_CATEGORIES) for i in idx]}
 

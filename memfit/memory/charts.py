@@ -33,10 +33,10 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def _shade_phases(ax: Any, spans: dict[str, list[list[int]]]) -> None:
+def _shade_phases(ax: Any, spans: dict[str, list[list[int]]], start: int) -> None:
     for phase, color in _PHASE_SHADE.items():
         for i, (s, e) in enumerate(spans.get(phase, [])):
-            ax.axvspan(s, e, color=color, alpha=0.6, lw=0, label=phase if i == 0 else None, zorder=0)
+            ax.axvspan(s - start, e - start, color=color, alpha=0.6, lw=0, label=phase if i == 0 else None, zorder=0)
 
 
 def plot_timeline(name: str, summary: dict[str, Any], path: Path, subtitle: str = "") -> Path:
@@ -45,14 +45,15 @@ def plot_timeline(name: str, summary: dict[str, Any], path: Path, subtitle: str 
     tl = summary["timeline"]
     div, unit = _unit(summary["peak_bytes"])
     fig, ax = plt.subplots(figsize=(11, 5))
-    _shade_phases(ax, summary["spans"])
+    start = tl.get("start", 0)
+    _shade_phases(ax, summary["spans"], start)
     cats = list(tl["categories"])
     ax.stackplot(tl["event"], *[[v / div for v in tl["categories"][c]] for c in cats],
                  labels=cats, colors=[_COLORS.get(c, "#999999") for c in cats], alpha=0.9, zorder=2)
     peak = summary["peak_at"]
     if peak is not None:
         ax.annotate(f"peak {summary['peak_bytes'] / div:.2f} {unit}\n{peak['phase']}: {peak['op']}",
-                    xy=(peak["event"], summary["peak_bytes"] / div), xytext=(10, -30), textcoords="offset points",
+                    xy=(peak["event"] - start, summary["peak_bytes"] / div), xytext=(10, -30), textcoords="offset points",
                     fontsize=8, arrowprops={"arrowstyle": "->", "lw": 0.8}, zorder=3)
     ax.set_xlabel("tensor allocations and releases into the step")
     ax.set_ylabel(f"live tensor memory ({unit})")
@@ -75,9 +76,9 @@ def plot_compare(summaries: dict[str, dict[str, Any]], path: Path, subtitle: str
     for i, (name, s) in enumerate(summaries.items()):
         color = _POLICY_COLORS[i % len(_POLICY_COLORS)]
         tl = s["timeline"]
-        secs = f", {s['step_seconds']:.2f} s/step" if s.get("step_seconds") else ""
+        # No step time here: a few steps on a shared machine are no timing; bench/ measures time side by side.
         top.plot(tl["event"], [v / div for v in tl["total"]], color=color, lw=1.4,
-                 label=f"{name}: peak {s['peak_bytes'] / div:.2f} {unit}{secs}")
+                 label=f"{name}: peak {s['peak_bytes'] / div:.2f} {unit}")
         bottom.plot(tl["event"], [v / div for v in tl["activations"]], color=color, lw=1.4,
                     label=f"{name}: peak {s['peak_activation_bytes'] / div:.2f} {unit}")
         top.axhline(s["peak_bytes"] / div, color=color, lw=0.7, ls=":")

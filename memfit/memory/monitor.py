@@ -143,9 +143,9 @@ class MemoryMonitor:
         except torch.OutOfMemoryError as err:
             raise MemoryLimitError(
                 f"out of memory at step {step} ({str(err).splitlines()[0]}); the last committed training "
-                "checkpoint is kept: raise train.grad_accum_steps (a smaller micro-batch) or set memory.policy=full "
-                "(memfit profile --compare none,full shows the difference); monitor.stop_at_fraction stops "
-                "with a training checkpoint before this happens"
+                "checkpoint is kept: resume with --set memory.policy=full, or start a new run with a smaller "
+                "micro-batch (memfit profile --compare none,full shows the difference); monitor.stop_at_fraction "
+                "stops with a training checkpoint before this happens"
             ) from err
         if self.device.type == "cuda":
             # Cheap host-side counters, read every step: the trainer resets the peak when it logs.
@@ -242,8 +242,8 @@ class MemoryMonitor:
         self.stop_message = (
             f"memory peak {r.peak_bytes / GB:.4g} GB [{r.measure}] at step {r.step} passed monitor.stop_at_fraction="
             f"{self.cfg.stop_at_fraction} of the {self.budget.bytes / GB:.4g} GB budget ({self.budget.source}): "
-            "stopped with a training checkpoint instead of running out of memory; lower the micro-batch or "
-            "set memory.policy=full, then run the same command again to resume")
+            "stopped with a training checkpoint instead of running out of memory; run the same command with "
+            "--set memory.policy=full (or a policy that fits) to resume from it")
         event = self._event(LIMIT_EVENT, r, self.cfg.stop_at_fraction)
         log.error("%s", self.stop_message, extra={"memfit_event": event})
         self.tracker.set_tags({"memfit.memory.limit": self.stop_message, "memfit.status": "memory_limit"})

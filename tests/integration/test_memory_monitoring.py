@@ -100,13 +100,13 @@ def test_trace_and_mlflow_run(profiled):
     assert {"profile/compare.png", "profile/profile.json", "profile/modules.md"} <= logged
 
 
-def _train(cfg):
+def _train(cfg, policy: str = "none", resume=None):
     from memfit import pipeline
     from memfit.reports import PlanReport, ResumePoint
 
-    plan = PlanReport(policy="none", every_k=2, precision="fp32", micro_batch_size=cfg.train.micro_batch_size,
-                      grad_accum_steps=cfg.train.grad_accum_steps, reason="test", description="none")
-    return pipeline.train(cfg, plan, ResumePoint(checkpoint_uri=cfg.checkpoint.uri), None)
+    plan = PlanReport(policy=policy, every_k=2, precision="fp32", micro_batch_size=cfg.train.micro_batch_size,
+                      grad_accum_steps=cfg.train.grad_accum_steps, reason="test", description=policy)
+    return pipeline.train(cfg, plan, resume or ResumePoint(checkpoint_uri=cfg.checkpoint.uri), None)
 
 
 @pytest.mark.parametrize("headroom, warns", [(1.02 / 0.9, False), (0.95, True)], ids=["above", "below"])
@@ -182,6 +182,15 @@ def test_stop_at_the_limit_commits_a_checkpoint_and_exits_76(prefect_harness, ca
     assert limit.payload["step"] == infos[0].step and limit.payload["peak_bytes"] > limit.payload["budget_bytes"]
     assert limit.resource.id == "memfit.run.tiny"
     assert any(r.role == "flow-run" for r in limit.related)
+
+    # As the message says: the same run with full recompute resumes from that checkpoint and finishes.
+    from memfit import config, pipeline
+
+    again = config.load(TINY, [*sets, "memory.policy=full"])
+    resume = pipeline.recover(again)
+    assert resume.step == infos[0].step
+    report = _train(again, policy="full", resume=resume)
+    assert report.resumed_from == infos[0].step and report.steps == 12
 
 
 @pytest.mark.gpu
