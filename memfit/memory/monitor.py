@@ -6,6 +6,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -55,7 +56,23 @@ def resolve_budget(budget_gb: float | None, device: torch.device, track_tensors:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         return Budget(int(total), f"memory of {torch.cuda.get_device_name(device)}", "reserved_peak")
-    return Budget(int(psutil.virtual_memory().total), "host RAM", "rss")
+    limit = _cgroup_limit()
+    total = int(psutil.virtual_memory().total)
+    if limit is not None and limit < total:  # a container's limit is the one the OOM killer enforces
+        return Budget(limit, "the container's memory limit (cgroup)", "rss")
+    return Budget(total, "host RAM", "rss")
+
+
+def _cgroup_limit(root: str = "/sys/fs/cgroup") -> int | None:
+    """The memory limit of this process's cgroup (v2 memory.max, v1 limit_in_bytes), if any."""
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        try:
+            raw = Path(root, name).read_text().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and int(raw) < 1 << 60:  # "max" or a huge v1 number: no limit
+            return int(raw)
+    return None
 
 
 @dataclass

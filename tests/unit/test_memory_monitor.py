@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -113,7 +114,17 @@ def test_budget_resolution_says_what_it_limits():
     assert resolve_budget(0.5, cpu) == Budget(500_000_000, "memory.budget_gb", "tensor_peak")
     assert resolve_budget(0.5, cpu, track_tensors=False).measure == "rss_delta"
     host = resolve_budget(None, cpu)
-    assert host.source == "host RAM" and host.measure == "rss" and host.bytes > 0
+    assert host.measure == "rss" and 0 < host.bytes <= psutil.virtual_memory().total
+
+
+def test_a_container_memory_limit_is_found(tmp_path):
+    from memfit.memory.monitor import _cgroup_limit
+
+    assert _cgroup_limit(str(tmp_path)) is None
+    (tmp_path / "memory.max").write_text("max\n")
+    assert _cgroup_limit(str(tmp_path)) is None
+    (tmp_path / "memory.max").write_text("2147483648\n")
+    assert _cgroup_limit(str(tmp_path)) == 2 * 1024**3
 
 
 def test_monitor_config_limits():
