@@ -117,20 +117,20 @@ def test_training_against_a_budget_from_the_profile(profiled, tmp_path, caplog, 
 
     estimate = profiled[3]["policies"]["none"]["peak_bytes"]
     cfg = _config(tmp_path, **{"tracking.uri": f"sqlite:///{profiled[0] / 'mlflow.db'}",  # tables exist already
-                               "train.max_steps": 8, "monitor.every_steps": 4, "checkpoint.every_steps": 100,
+                               "train.max_steps": 4, "monitor.every_steps": 2, "checkpoint.every_steps": 100,
                                "memory.budget_gb": estimate * headroom / 1e9})
     with caplog.at_level(logging.INFO, logger="memfit.memory"):
         report = _train(cfg)
     client = MlflowClient(cfg.tracking.uri)
     run = client.get_run(report.mlflow_run_id)
     history = client.get_metric_history(run.info.run_id, "memory/peak_bytes")
-    assert [m.step for m in history] == [1, 4, 8]
+    assert [m.step for m in history] == [1, 2, 4]
     for key in ("memory/allocated_bytes", "memory/reserved_bytes", "memory/rss_bytes", "memory/budget_fraction"):
         assert key in run.data.metrics, key
     warnings = [r for r in caplog.records if r.name == "memfit.memory" and r.levelno == logging.WARNING]
     assert [r.getMessage() for r in caplog.records if "memory at step" in r.getMessage()][-1].startswith(
-        "memory at step 8: peak")
-    assert report.steps == 8  # a warning never stops training
+        "memory at step 4: peak")
+    assert report.steps == 4  # a warning never stops training
     if warns:
         assert len(warnings) == 1 and "of the" in warnings[0].getMessage()
         assert "memfit.memory.warning" in run.data.tags
@@ -161,7 +161,7 @@ def test_stop_at_the_limit_commits_a_checkpoint_and_exits_76(prefect_harness, ca
 
     estimate = profiled[3]["policies"]["none"]["peak_bytes"]
     sets = tiny_overrides(tmp_path, f"sqlite:///{tmp_path / 'mlflow.db'}", **{
-        **SMALL, "train.max_steps": 12, "monitor.every_steps": 2, "checkpoint.every_steps": 100,
+        **SMALL, "train.max_steps": 6, "monitor.every_steps": 2, "checkpoint.every_steps": 100,
         "memory.policy": "none", "memory.budget_gb": estimate * 0.97 / 1e9, "monitor.stop_at_fraction": 1.0})
     handlers = list(logging.getLogger().handlers)
     try:
@@ -172,7 +172,7 @@ def test_stop_at_the_limit_commits_a_checkpoint_and_exits_76(prefect_harness, ca
     last = result.output.strip().splitlines()[-1]  # the CLI's one-line error, after Prefect's own logs
     assert last.startswith("error: memory peak") and "monitor.stop_at_fraction=1.0" in last
     infos = CheckpointManager(open_store(str(tmp_path / "checkpoints"))).list()
-    assert len(infos) == 1 and 1 <= infos[0].step < 12  # committed (it has a manifest) before the exit
+    assert len(infos) == 1 and 1 <= infos[0].step < 6  # committed (it has a manifest) before the exit
     loaded = CheckpointManager(open_store(str(tmp_path / "checkpoints"))).latest(tmp_path / "verify")
     assert loaded is not None and loaded.step == infos[0].step  # every checksum verifies
     captured_events.drain()
@@ -190,7 +190,7 @@ def test_stop_at_the_limit_commits_a_checkpoint_and_exits_76(prefect_harness, ca
     resume = pipeline.recover(again)
     assert resume.step == infos[0].step
     report = _train(again, policy="full", resume=resume)
-    assert report.resumed_from == infos[0].step and report.steps == 12
+    assert report.resumed_from == infos[0].step and report.steps == 6
 
 
 @pytest.mark.gpu
