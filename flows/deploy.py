@@ -1,4 +1,4 @@
-"""`memfit serve`: register the finetune (and, when present, retrain/export) deployments and serve them."""
+"""`memfit serve`: register the finetune, retrain (cron schedule) and export deployments and serve them."""
 
 from __future__ import annotations
 
@@ -24,25 +24,19 @@ def build_deployments(cfg: MemfitConfig, names: tuple[str, ...] = ("finetune", "
         "finetune", parameters={"config": cfg.model_dump(mode="json")}, description=DESCRIPTIONS["finetune"],
         tags=["memfit"], enforce_parameter_schema=True)]
     if "retrain" in names:
-        try:
-            from flows.retrain import retrain
-        except ImportError:
-            retrain = None
-        if retrain is not None:
-            schedules = []
-            if cfg.deploy.retrain_cron:
-                schedules = [CronSchedule(cron=cfg.deploy.retrain_cron, timezone=cfg.deploy.timezone)]
-            deployments.append(retrain.to_deployment(
-                "retrain", parameters={"config": cfg.model_dump(mode="json")}, schedules=schedules,
-                description=DESCRIPTIONS["retrain"], tags=["memfit"], enforce_parameter_schema=True))
+        from flows.retrain import retrain
+
+        schedules = []
+        if cfg.deploy.retrain_cron:
+            schedules = [CronSchedule(cron=cfg.deploy.retrain_cron, timezone=cfg.deploy.timezone)]
+        deployments.append(retrain.to_deployment(
+            "retrain", parameters={"config": cfg.model_dump(mode="json")}, schedules=schedules,
+            description=DESCRIPTIONS["retrain"], tags=["memfit"], enforce_parameter_schema=True))
     if "export" in names:
-        try:
-            from flows.export import export_checkpoint
-        except ImportError:
-            export_checkpoint = None
-        if export_checkpoint is not None:
-            deployments.append(export_checkpoint.to_deployment(
-                "export", description=DESCRIPTIONS["export"], tags=["memfit"], enforce_parameter_schema=True))
+        from flows.export import export
+
+        deployments.append(export.to_deployment(
+            "export", description=DESCRIPTIONS["export"], tags=["memfit"], enforce_parameter_schema=True))
     return deployments
 
 

@@ -7,6 +7,7 @@ from prefect import flow
 from memfit.config import MemfitConfig
 from memfit.pipeline import absolute_uri
 from memfit.reports import RunSummary
+from memfit.tracking import scrub
 from tasks.export import export_task
 from tasks.probe import probe_task
 from tasks.recover import recover_task
@@ -30,9 +31,18 @@ def finetune(config: MemfitConfig = MemfitConfig()) -> RunSummary:  # noqa: B008
     exported = export_task(config, trained)
     return RunSummary(
         status="completed", run_name=config.run.name, mlflow_run_id=trained.mlflow_run_id,
-        tracking_uri=config.tracking.resolved_uri(), checkpoint_uri=absolute_uri(config.checkpoint.uri),
+        tracking_uri=scrub(config.tracking.resolved_uri()), checkpoint_uri=absolute_uri(config.checkpoint.uri),
         safetensors_dir=exported.safetensors_dir, onnx_path=exported.onnx_path, steps=trained.steps,
         initial_val_loss=trained.initial_val_loss, final_val_loss=exported.final_val_loss,
         final_val_perplexity=exported.final_val_perplexity, onnx_max_abs_diff=exported.onnx_max_abs_diff,
-        plan=plan, baseline=probe.baseline,
+        plan=plan, baseline=probe.baseline, export_uri=exported.export_uri,
+        **_registry_fields(exported.registry),
     )
+
+
+def _registry_fields(outcome: dict | None) -> dict:
+    if not outcome:
+        return {}
+    return {"registered_model": f"{outcome['model_name']}@{outcome['alias']}" if outcome.get("version") else None,
+            "model_version": outcome.get("version"), "gate_passed": outcome["gate_passed"],
+            "gate_reason": outcome["gate_reason"]}

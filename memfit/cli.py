@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from memfit.errors import MemfitError
+from memfit.errors import ConfigError, MemfitError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune language models on the GPU you have; keep runs alive on spot machines.")
@@ -67,6 +67,10 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False)
         typer.echo(f"done: {summary.steps} steps, val loss {summary.initial_val_loss:.4f} -> "
                    f"{summary.final_val_loss:.4f}; MLflow run {summary.mlflow_run_id} at {summary.tracking_uri}; "
                    f"export {summary.safetensors_dir}" + (f" + {summary.onnx_path}" if summary.onnx_path else ""))
+        if summary.gate_passed is not None:
+            typer.echo(f"eval gate {'passed' if summary.gate_passed else 'FAILED'} ({summary.gate_reason}); "
+                       + (f"registered {summary.registered_model} version {summary.model_version}"
+                          if summary.model_version else "nothing registered"))
 
 
 @app.command()
@@ -134,6 +138,65 @@ def serve(config: ConfigArg = None, set_: SetOpt = None,
         serve_deployments(cfg, limit=limit)
     except MemfitError as err:
         _fail(err)
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="Target device profile: a100-40gb, a100-80gb, "
+                                                "h100-80gb, h200, l4, rtx-4090, t4, cpu.")]
+BudgetOpt = Annotated[float | None, typer.Option("--budget-gb", help="Memory budget in GB (overrides the device's).")]
+
+
+@app.command()
+def estimate(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None, budget_gb: BudgetOpt = None,
+             policy: Annotated[str | None, typer.Option("--policy", help="Gradient-checkpointing policy to estimate "
+                                                        "(default: memory.policy).")] = None,
+             as_json: JsonOpt = False) -> None:
+    """Predict the peak memory of one training step (params, grads, optimizer, activations, other) without
+    allocating it: the step runs on fake tensors, so any model size works from its config.json alone."""
+    _environment()
+    try:
+        cfg = _load(config, set_)
+        from memfit.memory.search import estimate_report
+
+        if policy is not None and policy not in ("auto", "none", "full", "every_k", "selective", "offload"):
+            raise ConfigError(f"--policy: unknown policy {policy!r}; choose one of auto, none, full, every_k, "
+                              "selective, offload")
+        out = estimate_report(cfg, device, budget_gb, policy)
+    except MemfitError as err:
+        _fail(err)
+    if as_json:
+        typer.echo(json.dumps(out, sort_keys=True))
+        return
+    gb = 1e9
+    typer.echo(f"{out['policy']} on {out['device']}, {out['precision']}, micro-batch {out['micro_batch_size']} x "
+               f"{out['grad_accum_steps']} x {out['seq_len']} tokens{', LoRA' if out['lora'] else ''}: "
+               f"peak {out['total_bytes'] / gb:.3f} GB ({out['peak_at']})")
+    for k, v in out["breakdown"].items():
+        typer.echo(f"  {k:<12} {v / gb:10.3f} GB")
+    if out["budget_bytes"] is not None:
+        typer.echo(f"  budget {out['budget_bytes'] / gb:.3f} GB ({out['budget_source']}): "
+                   f"{'fits' if out['fits'] else 'does NOT fit'}")
+
+
+@app.command()
+def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None, budget_gb: BudgetOpt = None,
+         as_json: JsonOpt = False) -> None:
+    """Choose the optimisation stack (checkpointing per block, precision, micro-batch, LoRA) that fits the
+    budget with the least predicted slowdown, and show the candidates it weighed."""
+    _environment()
+    try:
+        cfg = _load(config, set_)
+        from memfit.memory.search import plan_report, plan_table_markdown
+
+        result, out = plan_report(cfg, device, budget_gb)
+    except MemfitError as err:
+        _fail(err)
+    if as_json:
+        typer.echo(json.dumps(out, sort_keys=True))
+    else:
+        typer.echo(result.reason)
+        typer.echo(plan_table_markdown(result))
+    if not out["fits"]:
+        if not as_json:
+            typer.echo(f"error: {out['error']}", err=True)
+        raise typer.Exit(2)
 
 
 @app.command("config")
@@ -165,6 +228,39 @@ def checkpoints_ls(uri: Annotated[str, typer.Argument(help="checkpoint.uri: a fo
         typer.echo(f"no complete training checkpoints under {uri}")
     for r in rows:
         typer.echo(f"step {r['step']:>8}  {r['bytes'] / 1e6:10.2f} MB  {r['uri']}")
+
+
+@app.command("export")
+def export_cmd(
+    checkpoint_uri: Annotated[str, typer.Argument(help="A training checkpoint: a step-NNNNNNNN folder, or a "
+                                                       "checkpoint root (its newest verified one); local or s3://.")],
+    out: Annotated[Path, typer.Option("--out", help="Output folder: OUT/hf (SafeTensors) and OUT/model.onnx.")],
+    onnx: Annotated[bool, typer.Option("--onnx/--no-onnx", help="Also export ONNX and check its parity.")] = True,
+    upload: Annotated[str | None, typer.Option("--upload", help="Also upload the export here (folder or "
+                                                                "s3://bucket/prefix), manifest last.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Export a training checkpoint to a verified SafeTensors folder and ONNX file (config from the checkpoint)."""
+    _environment()
+    try:
+        from memfit.exporting import export_checkpoint
+
+        report = export_checkpoint(checkpoint_uri, out, onnx=onnx, upload_uri=upload)
+    except MemfitError as err:
+        _fail(err)
+    lines = [f"exported step {report['step']} of {report['checkpoint']}",
+             f"SafeTensors: {report['safetensors_dir']} (reloaded, max |diff| {report['safetensors_max_abs_diff']:.2e})"]
+    if report["onnx_path"]:
+        shapes = ", ".join(f"{p['batch']}x{p['seq']}" for p in report["onnx_parity"])
+        lines.append(f"ONNX: {report['onnx_path']} (opset {report['onnx_opset']}); parity max |onnxruntime - "
+                     f"PyTorch| = {report['onnx_max_abs_diff']:.3e} over shapes {shapes} (threshold "
+                     f"{report['onnx_atol']:g}: within)")
+    if report["uploaded_uri"]:
+        lines.append(f"uploaded: {report['uploaded_uri']} (manifest.json last)")
+    for line in lines:  # with --json the human lines go to stderr: stdout is the JSON object alone
+        typer.echo(line, err=as_json)
+    if as_json:
+        typer.echo(json.dumps(report, sort_keys=True, default=str))
 
 
 def main() -> None:  # pragma: no cover - console-script shim

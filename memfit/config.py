@@ -90,17 +90,62 @@ class TrainConfig(_Section):
 
 class MemoryConfig(_Section):
     policy: Literal["auto", "none", "full", "every_k", "selective", "offload"] = Field(
-        "auto", description="Gradient checkpointing policy; auto picks from the baseline probe and the budget. "
-        "selective saves matmul/attention outputs and recomputes the rest; offload (GPU only) keeps the "
-        "checkpointed inputs in pinned CPU memory.")
-    every_k: int = Field(2, ge=1, description="every_k: checkpoint one decoder block in every k.")
+        "auto", description="Gradient checkpointing policy. auto: the planner estimates every candidate stack "
+        "and picks the fastest that fits the budget (it may mix kinds per block). selective saves matmul/"
+        "attention outputs and recomputes the rest; offload (GPU only) keeps the checkpointed inputs in pinned "
+        "CPU memory. A fixed policy overrides the planner.")
+    every_k: int = Field(2, ge=1, description="every_k: checkpoint one decoder block in every k (blocks 0, k, 2k...).")
     selective_save_ops: list[str] = Field(
         default_factory=lambda: ["mm", "addmm", "bmm", "_scaled_dot_product_efficient_attention",
-                                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"],
+                                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                                 "_scaled_dot_product_flash_attention_for_cpu"],
         description="selective: aten ops whose outputs are saved; every other op inside a block is recomputed.")
+    block_class: str | None = Field(
+        None, description="Class name of the decoder block to checkpoint (e.g. LlamaDecoderLayer), for models "
+        "whose block list memfit does not find by itself. Unset: found automatically.")
     budget_gb: float | None = Field(
-        None, gt=0.0, description="Memory budget in GB (1e9 bytes); on CPU a simulated budget. "
-        "Unset: the device's free memory.")
+        None, gt=0.0, description="Memory budget in GB (1e9 bytes) for the training step's tensors; on CPU a "
+        "simulated budget. Unset: memory.device's usable memory, else the device's free memory.")
+    device: str | None = Field(
+        None, description="Target device profile the plan is made for: a100-40gb, a100-80gb, h100-80gb, h200, "
+        "l4, rtx-4090, t4 or cpu. Unset: the device this run is on.")
+    safety_margin: float = Field(
+        0.05, ge=0.0, lt=0.5, description="Share of the budget the planner leaves free for allocator "
+        "fragmentation and estimate error.")
+    allow_precisions: list[Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-true"]] = Field(
+        default_factory=list, description="Planner: other train.precision values it may fall back to when no "
+        "stack fits at train.precision. Empty: train.precision only.")
+    allow_smaller_micro_batch: bool = Field(
+        True, description="Planner: may lower the micro-batch (raising the accumulation steps, same global "
+        "batch) when that is the cheapest way to fit.")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from memfit.memory.devices import normalise_device_name
+
+        return normalise_device_name(v, "memory.device")
+
+
+class LoraConfig(_Section):
+    enabled: bool | Literal["auto"] = Field(
+        False, description="Train LoRA adapters (through peft) instead of all weights. auto: only when no "
+        "full fine-tuning stack fits the memory budget. Adapters are merged into the weights before export.")
+    r: int = Field(8, ge=1, le=1024, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA scaling numerator (the update is scaled by alpha/r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj]; "
+        "all-linear: every linear layer but the output head.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, list) and not v:
+            raise ValueError("lora.target_modules is empty; name the modules to adapt or use all-linear")
+        return v
 
 
 class MonitorConfig(_Section):
@@ -132,6 +177,13 @@ class TrackingConfig(_Section):
     uri: str | None = Field(None, description="MLflow tracking URI. Unset: $MLFLOW_TRACKING_URI, "
                             "else sqlite:///mlflow.db in the working folder.")
     experiment: str = Field("memfit", min_length=1, description="MLflow experiment name.")
+    fail_if_unreachable: bool = Field(True, description="An unreachable tracking server fails the run before any work "
+                           "(naming the URI); false: warn and continue with the null tracker.")
+    system_metrics: bool = Field(True, description="Log MLflow system metrics (CPU, memory, disk, network; "
+                                 "GPU through pynvml when installed) as system/* metrics.")
+    system_metrics_interval_s: float = Field(
+        10.0, ge=0.1, le=3600, description="Seconds between system-metric samples; use ~1 for short runs. "
+        "$MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL overrides it.")
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -153,6 +205,32 @@ class ExportConfig(_Section):
     onnx: bool = Field(True, description="Also export and verify ONNX.")
     onnx_atol: float = Field(1e-4, gt=0.0, description="Max abs logit difference allowed, ONNX vs PyTorch.")
     opset: int | None = Field(None, ge=13, description="ONNX opset; default: the exporter's.")
+    uri: str | None = Field(None, description="Also upload the verified export here (a folder or "
+                            "s3://bucket/prefix), files first and a manifest.json last. Unset: local only.")
+
+
+class GateConfig(_Section):
+    max_perplexity: float | None = Field(None, gt=1.0, description="Register only when validation perplexity "
+                                         "is at most this. Unset: no threshold.")
+    beat_champion: bool = Field(True, description="Register only when validation perplexity is lower than the "
+                                "current champion's (a first model, with no champion, passes).")
+
+
+class EvalConfig(_Section):
+    prompts: list[str] = Field(
+        default_factory=lambda: ["one two three", "the red fox", "3 plus 4 is"], max_length=64,
+        description="Fixed prompts whose greedy continuations are logged as an MLflow table (eval/generations).")
+    max_new_tokens: int = Field(16, ge=1, le=512, description="Tokens generated per prompt (greedy, KV cache on).")
+    gate: GateConfig = Field(default_factory=GateConfig, description="The eval gate deciding registration.")
+
+
+class RegistryConfig(_Section):
+    enabled: bool = Field(True, description="Log the export as an MLflow model and register a version when the "
+                          "eval gate passes (needs the MLflow tracker).")
+    model_name: str | None = Field(None, min_length=1, max_length=200,
+                                   description="Registered model name. Unset: run.name.")
+    alias: str = Field("champion", pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$",
+                       description="Alias moved to a version that passes the gate.")
 
 
 class DeployConfig(_Section):
@@ -165,6 +243,9 @@ class DeployConfig(_Section):
                                 "Prefect global concurrency limit, so two runs never share one GPU.")
     concurrency_key: str = Field("memfit-training", min_length=1,
                                  description="Name of the Prefect global concurrency limit held while training.")
+    retrain_data_uri: str | None = Field(
+        None, description="Where scheduled retraining finds new data: a folder or s3://bucket/prefix of "
+        ".txt/.jsonl files; the newest by name (e.g. 2026-11-30.jsonl) is used.")
 
     @field_validator("retrain_cron")
     @classmethod
@@ -193,11 +274,14 @@ class MemfitConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

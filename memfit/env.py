@@ -16,6 +16,20 @@ _LIBRARIES = ("torch", "transformers", "peft", "accelerate", "safetensors", "onn
               "onnxscript", "prefect", "mlflow", "boto3", "datasets", "tokenizers", "pydantic")
 
 
+# Environment variables that change how a run behaves; shown in the report, secrets masked.
+_ENV_PREFIXES = ("CUDA_", "NCCL_", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH_", "HF_", "TRANSFORMERS_",
+                 "TOKENIZERS_", "MLFLOW_", "PREFECT_", "AWS_", "MEMFIT_", "NVIDIA_")
+
+
+def relevant_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The run-relevant environment variables, with credentials masked (names and values both checked)."""
+    from memfit.tracking.base import REDACTED, is_secret_key, scrub
+
+    env = dict(os.environ if environ is None else environ)
+    return {k: (REDACTED if is_secret_key(k) else scrub(v, env)) for k, v in sorted(env.items())
+            if k.startswith(_ENV_PREFIXES)}
+
+
 def library_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name in _LIBRARIES:
@@ -103,6 +117,7 @@ def environment_report(device: torch.device, disk_path: str | os.PathLike[str] =
         "disk_path": str(probe_dir.resolve()),
         "disk_free_bytes": int(disk.free),
         "libraries": library_versions(),
+        "environment_variables": relevant_environment(),
     }
 
 

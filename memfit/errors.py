@@ -19,6 +19,10 @@ class ModelLoadError(MemfitError):
     """The model or tokenizer could not be loaded."""
 
 
+class MemoryBudgetError(ConfigError):
+    """No optimisation stack fits the memory budget (the message says what would)."""
+
+
 class StorageError(MemfitError):
     """An object store (local folder, S3) could not be read or written."""
 

@@ -21,6 +21,8 @@ import memfit
 from memfit.errors import ExportError
 
 MANIFEST_NAME = "memfit-export.json"
+# Beside an ONNX file: <name>.memfit.json (memfit version, source run, parity per shape, checksums).
+ONNX_METADATA_SUFFIX = ".memfit.json"
 # torch.export treats sizes 0 and 1 as static, so the example must be >= 2 in both dims for them to
 # stay dynamic; the verification shapes then prove the axes really are dynamic.
 EXAMPLE_SHAPE = (2, 16)
@@ -47,6 +49,8 @@ class OnnxExport:
     shapes: list[tuple[int, int]]
     external_data: bool
     sha256: str
+    per_shape: list[tuple[tuple[int, int], float]] | None = None
+    metadata_path: str | None = None
 
 
 def sha256_file(path: str | Path) -> str:
@@ -284,10 +288,11 @@ def _parity(path: Path, model: nn.Module, shapes) -> list[tuple[tuple[int, int],
 
 def verify_onnx(path: str | Path, model: nn.Module, shapes=DEFAULT_SHAPES, atol: float = 1e-4) -> float:
     """Max |onnxruntime - PyTorch fp32| logits over `shapes` ((batch, seq) pairs); ExportError above atol."""
-    return _verify(Path(path), model, shapes, atol, label=str(path))
+    return _verify(Path(path), model, shapes, atol, label=str(path))[0]
 
 
-def _verify(path: Path, model: nn.Module, shapes, atol: float, label: str) -> float:
+def _verify(path: Path, model: nn.Module, shapes, atol: float, label: str
+            ) -> tuple[float, list[tuple[tuple[int, int], float]]]:
     # `label` names the file the user knows about, not the temporary one being checked.
     diffs = _parity(path, model, [tuple(s) for s in shapes])
     worst_shape, worst = max(diffs, key=lambda d: d[1] if d[1] == d[1] else float("inf"))
@@ -298,7 +303,7 @@ def _verify(path: Path, model: nn.Module, shapes, atol: float, label: str) -> fl
             f"(batch={worst_shape[0]}, seq={worst_shape[1]}) exceeds atol = {atol:g} "
             f"(per shape: {per_shape})."
         )
-    return worst
+    return worst, diffs
 
 
 def export_onnx(
@@ -308,6 +313,7 @@ def export_onnx(
     atol: float = 1e-4,
     opset: int | None = None,
     shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES,
+    metadata: dict | None = None,
 ) -> OnnxExport:
     """Export input_ids -> logits (dynamic batch and sequence), check with onnx + onnxruntime, move in place.
 
@@ -366,9 +372,27 @@ def export_onnx(
         proto = onnx.load(str(staged), load_external_data=False)
         opset_found = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
         del proto
-        diff = _verify(staged, src, shapes, atol, label=f"{out_path} (not written)")
+        diff, per_shape = _verify(staged, src, shapes, atol, label=f"{out_path} (not written)")
         digest = sha256_file(staged)
         has_data = (tmp / data_name).exists()
+        files = {out_path.name: {"bytes": staged.stat().st_size, "sha256": digest}}
+        if has_data:
+            data = tmp / data_name
+            files[data_name] = {"bytes": data.stat().st_size, "sha256": sha256_file(data)}
+        meta_doc = {
+            "memfit_version": memfit.__version__,
+            "format": "onnx",
+            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "opset": int(opset_found),
+            "inputs": ["input_ids"], "outputs": ["logits"], "dynamic_axes": ["batch", "sequence"],
+            "max_abs_diff": diff,
+            "atol": atol,
+            "parity": [{"batch": b, "seq": q, "max_abs_diff": d} for (b, q), d in per_shape],
+            "external_data": has_data,
+            "metadata": metadata or {},
+            "files": files,
+        }
+        meta_path = out_path.parent / (out_path.name + ONNX_METADATA_SUFFIX)
         _fsync_tree(tmp)
         # Weights first, graph last: the .onnx appearing is the signal that the export is complete.
         if has_data:
@@ -377,6 +401,10 @@ def export_onnx(
         if not has_data:
             # A replaced export's external weights would otherwise sit there looking current.
             (out_path.parent / data_name).unlink(missing_ok=True)
+        # The metadata last, like a manifest: its checksums describe the files now in place.
+        staged_meta = tmp / meta_path.name
+        staged_meta.write_text(json.dumps(meta_doc, indent=2, default=str) + "\n")
+        os.replace(staged_meta, meta_path)
     except onnx.checker.ValidationError as e:
         raise ExportError(f"the exported ONNX model for {out_path} fails onnx.checker: {e}") from e
     except OSError as e:
@@ -392,4 +420,6 @@ def export_onnx(
         shapes=shapes,
         external_data=has_data,
         sha256=digest,
+        per_shape=per_shape,
+        metadata_path=str(meta_path),
     )

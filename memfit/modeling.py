@@ -284,5 +284,6 @@ def find_decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
                 best = module
     if best is None:
         raise ModelLoadError(f"model.name_or_path: found no decoder block list in {type(base).__name__}; "
-                             "memory planning needs a ModuleList of identical blocks")
+                             "memory planning needs a ModuleList of identical blocks; set memory.block_class to "
+                             "the decoder block's class name")
     return best

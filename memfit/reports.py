@@ -18,6 +18,7 @@ class ProbeReport(_Report):
     baseline: dict[str, Any] = Field(description="peak_bytes, budget_bytes, fits, headroom_bytes, breakdown...")
     model_source: str
     n_params: int
+    architecture: dict[str, Any] | None = Field(None, description="The model's transformers config, for the planner.")
 
 
 class PlanReport(_Report):
@@ -30,6 +31,16 @@ class PlanReport(_Report):
     grad_accum_steps: int
     reason: str
     description: str
+    block_kinds: list[str] | None = Field(None, description="Checkpointing per decoder block: none, selective, "
+                                          "full or offload.")
+    lora: bool = False
+    fits: bool | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_overhead: float | None = Field(None, description="Predicted step time / no checkpointing - 1.")
+    budget_bytes: int | None = None
+    budget_source: str | None = None
+    alternatives: list[dict[str, Any]] = Field(default_factory=list, description="Other candidates estimated.")
+    table_markdown: str | None = None
 
 
 class ResumePoint(_Report):
@@ -69,6 +80,10 @@ class ExportReport(_Report):
     onnx_max_abs_diff: float | None
     onnx_opset: int | None
     source_checkpoint: str
+    export_uri: str | None = Field(None, description="Where the export was uploaded (export.uri/<run id>).")
+    registry: dict[str, Any] | None = Field(None, description="Gate result and registered version (registry.py).")
+    generations: list[dict[str, Any]] = Field(default_factory=list, description="Greedy continuations of "
+                                              "eval.prompts.")
 
 
 class RunSummary(_Report):
@@ -88,3 +103,8 @@ class RunSummary(_Report):
     onnx_max_abs_diff: float | None = None
     plan: PlanReport | None = None
     baseline: dict[str, Any] | None = None
+    registered_model: str | None = Field(None, description="name@alias of the version this run registered.")
+    model_version: str | None = None
+    gate_passed: bool | None = None
+    gate_reason: str | None = None
+    export_uri: str | None = None

@@ -28,6 +28,7 @@ def export_task(config: MemfitConfig, trained: TrainReport) -> ExportReport:
             f"| ONNX | {onnx} |",
             f"| from training checkpoint | `{report.source_checkpoint}` |",
             f"| MLflow run | `{trained.mlflow_run_id}` |",
+            *_registry_rows(report),
         ]),
     )
     _link_mlflow_run(config, trained.mlflow_run_id)
@@ -47,3 +48,16 @@ def _link_mlflow_run(config: MemfitConfig, run_id: str) -> None:
         create_markdown_artifact(key="mlflow-run", description="Where the MLflow run is", markdown=(
             f"MLflow run `{run_id}` is in the local store `{uri}`.\n\n"
             f"Open it with `mlflow ui --backend-store-uri {uri}` and browse to the run id."))
+
+
+def _registry_rows(report: ExportReport) -> list[str]:
+    rows = [f"| uploaded to | `{report.export_uri}` |"] if report.export_uri else []
+    r = report.registry
+    if r:
+        verdict = "passed" if r["gate_passed"] else "**failed**"
+        rows.append(f"| eval gate | {verdict}: {r['gate_reason']} |")
+        rows.append(f"| registered | `{r['model_name']}` version {r['version']} → alias `{r['alias']}` |"
+                    if r["version"] else "| registered | no (the champion is unchanged) |")
+    cell = lambda text: str(text).replace("|", "\\|").replace("\n", " ")  # noqa: E731 - one table cell
+    rows += [f"| sample: `{cell(g['prompt'])}` | `{cell(g['completion'])}` |" for g in report.generations[:5]]
+    return rows

@@ -22,7 +22,10 @@ def setup_task(config: MemfitConfig, probe: ProbeReport) -> PlanReport:
             f"| gradient checkpointing | `{plan.policy}` — {plan.description} |",
             f"| precision | `{plan.precision}` |",
             f"| micro-batch × accumulation | {plan.micro_batch_size} × {plan.grad_accum_steps} |",
+            f"| LoRA | {'yes' if plan.lora else 'no'} |",
+            f"| predicted peak | {(plan.predicted_peak_bytes or 0) / 1e9:.4g} GB |",
             "", f"Why: {plan.reason}",
+            "", "## Candidates estimated", "", plan.table_markdown or "(none)",
         ]),
     )
     return plan

@@ -1,50 +1,184 @@
-"""Choosing the optimisation stack: a pure function of the config and the baseline probe."""
+"""The planner: pure functions from estimated candidate stacks and a budget to the stack a run uses."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+from memfit.memory.compose import Estimate, Stack
+from memfit.memory.policies import mixed_kinds
 
 GB = 1e9
 
 
-@dataclass(frozen=True)
-class StackPlan:
-    """What the optimisation-stack phase decided, and why; logged to MLflow as the plan."""
+def assignments(n: int, kinds: Sequence[str] = ("none", "selective", "full"), max_levels: int = 33
+                ) -> list[tuple[str, ...]]:
+    """Every way to give n blocks a kind, by count per kind (blocks of a kind spread evenly).
 
-    policy: str
-    every_k: int
-    precision: str
-    micro_batch_size: int
-    grad_accum_steps: int
+    `offload` only ever covers all blocks (mixing it gains nothing over full on the blocks it would skip).
+    Deep models use counts in steps, at most `max_levels` per kind.
+    """
+    step = max(1, -(-n // (max_levels - 1)))
+    levels = sorted(set(range(0, n + 1, step)) | {n})
+    out: list[tuple[str, ...]] = []
+    mixable = [k for k in kinds if k in ("selective", "full")]
+    for full in (levels if "full" in mixable else [0]):
+        for sel in (levels if "selective" in mixable else [0]):
+            if full + sel > n:
+                continue
+            if "none" not in kinds and full + sel != n:
+                continue
+            out.append(tuple(mixed_kinds(n, {"full": full, "selective": sel, "none": n - full - sel})))
+    if "offload" in kinds:
+        out.append(("offload",) * n)
+    return out
+
+
+def every_k_kinds(n: int, k: int) -> tuple[str, ...]:
+    return tuple("full" if i % k == 0 else "none" for i in range(n))
+
+
+@dataclass
+class Plan:
+    """The chosen stack (or none), the budget it was chosen for, and the table of what else was considered."""
+
+    fits: bool
+    chosen: Estimate | None
+    budget_bytes: int | None
+    limit_bytes: int | None
+    budget_source: str
+    baseline_seconds: float
     reason: str
+    table: list[Estimate] = field(default_factory=list)
+    error: str | None = None
+
+    def overhead(self, e: Estimate) -> float:
+        return e.step_seconds / self.baseline_seconds - 1.0 if self.baseline_seconds > 0 else 0.0
+
+    def fits_one(self, e: Estimate) -> bool:
+        return self.limit_bytes is None or e.peak_bytes <= self.limit_bytes
+
+    def row(self, e: Estimate) -> dict[str, Any]:
+        return {"policy": e.policy, "every_k": e.every_k, "blocks": _counts(e.kinds), "kinds": list(e.kinds),
+                "precision": e.stack.precision, "micro_batch_size": e.stack.micro_batch_size,
+                "grad_accum_steps": e.stack.grad_accum_steps, "lora": e.stack.lora,
+                "predicted_peak_bytes": e.peak_bytes, "predicted_activation_bytes": e.activation_bytes,
+                "breakdown": dict(e.breakdown), "peak_at": e.peak_at,
+                "predicted_step_seconds": round(e.step_seconds, 6),
+                "predicted_overhead": round(self.overhead(e), 4), "fits": self.fits_one(e)}
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        head = self.row(self.chosen) if self.chosen is not None else {}
+        head.update({"fits": self.fits, "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
+                     "budget_source": self.budget_source, "reason": self.reason, "error": self.error,
+                     "alternatives": [self.row(e) for e in self.table if e is not self.chosen]})
+        return head
 
 
-def choose_policy(requested: str, baseline_peak_bytes: int | None, budget_bytes: int | None,
-                  baseline_oom: bool = False) -> tuple[str, str]:
-    """`auto`: no recompute when the plain step fits the budget; full recompute when it does not.
+def _counts(kinds: Sequence[str]) -> dict[str, int]:
+    return {k: sum(1 for x in kinds if x == k) for k in ("none", "selective", "full", "offload") if k in kinds}
 
-    A later planner replaces this rule with estimates per policy; the interface stays.
+
+def rank_key(e: Estimate, configured: Stack) -> tuple:
+    """Fitting candidates are ranked: the configured precision and full fine-tuning first (fallbacks only
+    when needed), then predicted step time, then less recompute (fewer checkpointed blocks)."""
+    recompute = sum(1 for k in e.kinds if k in ("full", "offload")) * 2 + sum(1 for k in e.kinds if k == "selective")
+    return (e.stack.lora and not configured.lora, e.stack.precision != configured.precision,
+            round(e.step_seconds, 9), recompute, -e.stack.micro_batch_size)
+
+
+def _table(candidates: Sequence[Estimate], chosen: Estimate | None, limit: int | None) -> list[Estimate]:
+    """What to show: per stack the named policies and the fastest fitting mix, chosen first."""
+    shown: dict[tuple, Estimate] = {}
+    fastest_mix: dict[Stack, Estimate] = {}
+    for e in candidates:
+        if e.policy == "mixed":
+            if (limit is None or e.peak_bytes <= limit) and (
+                    e.stack not in fastest_mix or e.step_seconds < fastest_mix[e.stack].step_seconds):
+                fastest_mix[e.stack] = e
+            continue
+        if e.policy == "every_k" and e.every_k not in (2, 4):
+            continue
+        shown.setdefault((e.stack, e.kinds), e)
+    for e in fastest_mix.values():
+        shown.setdefault((e.stack, e.kinds), e)
+    rows = list(shown.values())
+    if chosen is not None:
+        rows = [chosen] + [e for e in rows if not (e.stack == chosen.stack and e.kinds == chosen.kinds)]
+    return rows
+
+
+def choose(candidates: Sequence[Estimate], budget_bytes: int | None, *, configured: Stack, baseline: Estimate,
+           safety_margin: float = 0.05, budget_source: str = "memory.budget_gb",
+           fixed_policy: str | None = None, activation_budget: int | None = None) -> Plan:
+    """The fastest candidate whose predicted peak fits `budget_bytes` less the safety margin.
+
+    Never a candidate whose estimate exceeds that limit; when none fits, `fits` is False and `error` says
+    what the leanest candidate needs and which knob would help. `activation_budget` additionally caps the
+    activations alive after the forward (the benchmark states its budgets that way).
     """
-    if requested != "auto":
-        return requested, f"memory.policy={requested} set in the config"
-    if baseline_oom:
-        return "full", "the plain step ran out of memory: recompute every block"
-    if budget_bytes is None or baseline_peak_bytes is None:
-        return "none", "no memory budget known: keep every activation (fastest)"
-    if baseline_peak_bytes <= budget_bytes:
-        return "none", (f"the plain step peaks at {baseline_peak_bytes / GB:.4f} GB, within the "
-                        f"{budget_bytes / GB:.4f} GB budget: no recompute needed")
-    return "full", (f"the plain step peaks at {baseline_peak_bytes / GB:.4f} GB, over the "
-                    f"{budget_bytes / GB:.4f} GB budget: recompute every block")
+    limit = None if budget_bytes is None else int(budget_bytes * (1.0 - safety_margin))
+    act_limit = None if activation_budget is None else int(activation_budget * (1.0 - safety_margin))
+    fitting = [e for e in candidates if (limit is None or e.peak_bytes <= limit)
+               and (act_limit is None or e.activation_bytes <= act_limit)]
+    base_s = baseline.step_seconds
+    if fitting:
+        chosen = min(fitting, key=lambda e: rank_key(e, configured))
+        plan = Plan(fits=True, chosen=chosen, budget_bytes=budget_bytes, limit_bytes=limit,
+                    budget_source=budget_source, baseline_seconds=base_s, reason="")
+        plan.reason = _why(plan, chosen, fixed_policy)
+        plan.table = _table(candidates, chosen, limit)
+        return plan
+    leanest = min(candidates, key=lambda e: e.peak_bytes)
+    plan = Plan(fits=False, chosen=leanest if fixed_policy else None, budget_bytes=budget_bytes, limit_bytes=limit,
+                budget_source=budget_source, baseline_seconds=base_s, reason="")
+    plan.error = nothing_fits_message(leanest, budget_bytes or 0, limit or 0, budget_source, configured)
+    plan.reason = plan.error
+    plan.table = _table(candidates, None, limit)
+    return plan
 
 
-def make_plan(memory_cfg: Any, train_cfg: Any, baseline_peak_bytes: int | None, budget_bytes: int | None,
-              baseline_oom: bool = False) -> StackPlan:
-    policy, reason = choose_policy(memory_cfg.policy, baseline_peak_bytes, budget_bytes, baseline_oom)
-    return StackPlan(policy=policy, every_k=memory_cfg.every_k, precision=train_cfg.precision,
-                     micro_batch_size=train_cfg.micro_batch_size, grad_accum_steps=train_cfg.grad_accum_steps,
-                     reason=reason)
+def _why(plan: Plan, e: Estimate, fixed_policy: str | None) -> str:
+    budget = ("no memory budget" if plan.limit_bytes is None else
+              f"{plan.limit_bytes / GB:.4g} GB usable of the {plan.budget_bytes / GB:.4g} GB budget "
+              f"({plan.budget_source})")
+    head = (f"memory.policy={fixed_policy} set in the config" if fixed_policy
+            else f"fastest stack that fits: {describe(e)}")
+    return (f"{head}; predicted peak {e.peak_bytes / GB:.4g} GB vs {budget}; predicted step time "
+            f"{plan.overhead(e) * 100:+.1f}% vs no checkpointing")
+
+
+def describe(e: Estimate) -> str:
+    counts = _counts(e.kinds)
+    what = e.policy if e.policy != "mixed" else "mixed (" + ", ".join(f"{v} {k}" for k, v in counts.items()) + ")"
+    if e.policy == "every_k":
+        what = f"every_k (k={e.every_k})"
+    return f"{what}, {e.stack.label()}"
+
+
+def nothing_fits_message(leanest: Estimate, budget: int, limit: int, source: str, configured: Stack) -> str:
+    b = leanest.breakdown
+    weights_etc = b["params"] + b["grads"] + b["optimizer"]
+    field_name = "memory.budget_gb" if source == "memory.budget_gb" else f"the budget ({source})"
+    if leanest.weight_bytes > budget:
+        return (f"{field_name}: {budget / GB:.4g} GB is below the model's weights alone "
+                f"({leanest.weight_bytes / GB:.4g} GB for {leanest.n_params:,} parameters); raise "
+                "memory.budget_gb or pick a larger memory.device")
+    hints = []
+    if weights_etc > 0.5 * leanest.peak_bytes:
+        if not leanest.stack.lora:
+            hints.append("lora.enabled=true (or auto) trains adapters only: no full gradients or optimizer state")
+        if leanest.stack.precision != "bf16-true":
+            hints.append("train.precision=bf16-true (or memory.allow_precisions: [bf16-true]) halves weights "
+                         "and optimizer state")
+    else:
+        hints.append("a shorter data.seq_len or a smaller train.batch_size cuts activations")
+        if leanest.stack.micro_batch_size > 1:
+            hints.append("memory.allow_smaller_micro_batch=true lets the planner accumulate smaller micro-batches")
+    hints.append("a larger memory.budget_gb / memory.device")
+    return (f"{field_name}: no stack fits {budget / GB:.4g} GB ({limit / GB:.4g} GB after the safety margin). "
+            f"The leanest, {describe(leanest)}, needs {leanest.peak_bytes / GB:.4g} GB at its peak "
+            f"({leanest.peak_at}): params {b['params'] / GB:.3g}, grads {b['grads'] / GB:.3g}, optimizer "
+            f"{b['optimizer'] / GB:.3g}, activations {b['activations'] / GB:.3g}, other {b['other'] / GB:.3g} GB. "
+            "What would help: " + "; ".join(hints))

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from memfit.memory.policies import find_blocks
+from memfit.memory.step import autocast_context, init_optimizer_state, make_optimizer, run_step
+from memfit.memory.tracker import StepTracker
+
+__all__ = ["autocast_context", "measure_step", "verdict", "budget_bytes", "explain_oom"]
 
 GB = 1e9
 
@@ -39,65 +44,54 @@ class ProbeVerdict:
     batch_size: int
     seq_len: int
     message: str
+    estimate: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def autocast_context(device: torch.device, precision: str):
-    """Mixed precision as autocast; fp32 and bf16-true (weights already bf16) need none."""
-    if precision == "bf16-mixed":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision == "fp16-mixed":
-        return torch.autocast(device.type, dtype=torch.float16)
-    return nullcontext()
+def measure_step(model: nn.Module, batches: torch.Tensor | list[torch.Tensor], precision: str = "fp32",
+                 max_grad_norm: float | None = 1.0) -> StepMemory:
+    """Run one steady-state AdamW step on `model` (mutated: pass a throwaway copy) and measure its peak.
 
-
-def _one_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, precision: str) -> None:
-    with autocast_context(batch.device, precision):
-        loss = model(input_ids=batch, labels=batch).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def measure_step(model: nn.Module, batch: torch.Tensor, precision: str = "fp32") -> StepMemory:
-    """Run one AdamW step on `model` (mutated: pass a throwaway copy) and measure its peak memory.
-
-    CUDA: the caching allocator's max_memory_allocated, with a real OOM caught. CPU: torch's MemTracker,
-    which attributes every live tensor (params, grads, optimizer state, activations, temporaries).
+    The optimizer state is allocated first (as on every step after the first), then the micro-batches
+    (one tensor, or a list of them: accumulation) run forward and backward, then clipping and the step.
+    CUDA: the caching allocator's max_memory_allocated, with a real OOM caught. CPU: memfit's tracker
+    (torch's MemTracker), which attributes every live tensor to params, grads, optimizer, activations, other.
     """
     model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
-    device = batch.device
+    micro = list(batches) if isinstance(batches, (list, tuple)) else [batches]
+    optimizer = make_optimizer(model, foreach=None)
+    device = micro[0].device
     t0 = time.perf_counter()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
         try:
-            _one_step(model, optimizer, batch, precision)
+            init_optimizer_state(optimizer)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            run_step(model, optimizer, micro, precision, None, max_grad_norm)
             torch.cuda.synchronize(device)
         except torch.cuda.OutOfMemoryError as err:
             peak = torch.cuda.max_memory_allocated(device)
             optimizer.zero_grad(set_to_none=True)
+            del optimizer
             torch.cuda.empty_cache()
             return StepMemory(peak_bytes=int(peak), oom=True, method="cuda.max_memory_allocated",
                               step_seconds=time.perf_counter() - t0, error=str(err).splitlines()[0])
         return StepMemory(peak_bytes=int(torch.cuda.max_memory_allocated(device)),
                           method="cuda.max_memory_allocated", step_seconds=time.perf_counter() - t0)
 
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
+    init_optimizer_state(optimizer)
+    tracker = StepTracker(find_blocks(model))
     tracker.track_external(model, optimizer)
+    t0 = time.perf_counter()
     with tracker:
-        _one_step(model, optimizer, batch, precision)
+        run_step(model, optimizer, micro, precision, tracker, max_grad_norm)
     seconds = time.perf_counter() - t0
-    snap = tracker.get_tracker_snapshot("peak")
-    dev_stats = snap.get(device) or next(iter(snap.values()), {})
-    breakdown = {str(getattr(k, "value", k)).lower(): int(v) for k, v in dev_stats.items()}
-    total = breakdown.pop("total", sum(breakdown.values()))
-    return StepMemory(peak_bytes=int(total), breakdown=breakdown, step_seconds=seconds, method="MemTracker")
+    result = tracker.result()
+    return StepMemory(peak_bytes=result.peak_bytes, breakdown=dict(result.peak), step_seconds=seconds,
+                      method=f"MemTracker (peak at {result.peak_label})")
 
 
 def verdict(step: StepMemory, budget_bytes: int | None, budget_source: str, batch_size: int,
@@ -133,3 +127,17 @@ def budget_bytes(budget_gb: float | None, device_report: dict[str, Any]) -> tupl
     if device_report.get("type") == "cuda":
         return int(device_report["memory_free_bytes"]), f"free memory of {device_report.get('name')}"
     return None, "none (CPU without memory.budget_gb)"
+
+
+def explain_oom(estimate: Any, budget: int | None, budget_source: str) -> str:
+    """The estimator's breakdown of a step that does not fit: what takes the memory, and how much is over."""
+    b = estimate.breakdown
+    parts = ", ".join(f"{k} {v / GB:.4g} GB" for k, v in sorted(b.items(), key=lambda kv: -kv[1]) if v)
+    over = "" if budget is None else (f"; {(estimate.peak_bytes - budget) / GB:.4g} GB over the "
+                                      f"{budget / GB:.4g} GB budget ({budget_source})")
+    fixed = b["params"] + b["grads"] + b["optimizer"]
+    what = ("weights, gradients and optimizer state alone exceed the budget: only LoRA, a lower precision "
+            "or more memory help" if budget is not None and fixed > budget else
+            "activations are what gradient checkpointing or a smaller micro-batch reduce")
+    return (f"estimator (no checkpointing): peak {estimate.peak_bytes / GB:.4g} GB at {estimate.peak_at}: {parts}"
+            f"{over}; {what}")

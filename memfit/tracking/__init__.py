@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
-from memfit.tracking.base import Tracker, redact
+import logging
+
+from memfit.errors import TrackingError
+from memfit.tracking.base import Tracker, redact, scrub
 from memfit.tracking.null import NullTracker
+
+log = logging.getLogger("memfit.tracking")
 
 
 def make_tracker(tracking_cfg) -> Tracker:
+    """The configured tracker; an unreachable store fails (tracking.fail_if_unreachable) or falls back to null, warning."""
     if tracking_cfg.backend == "null":
         return NullTracker()
     from memfit.tracking.mlflow_tracker import MLflowTracker
 
-    return MLflowTracker(tracking_cfg.resolved_uri(), tracking_cfg.experiment)
+    try:
+        return MLflowTracker(tracking_cfg.resolved_uri(), tracking_cfg.experiment,
+                             system_metrics=tracking_cfg.system_metrics,
+                             system_metrics_interval_s=tracking_cfg.system_metrics_interval_s)
+    except TrackingError as err:
+        if tracking_cfg.fail_if_unreachable:
+            raise
+        log.warning("%s; continuing WITHOUT tracking (tracking.fail_if_unreachable=false)", err)
+        return NullTracker()
 
 
-__all__ = ["NullTracker", "Tracker", "make_tracker", "redact"]
+def check_tracking(tracking_cfg) -> None:
+    """Preflight: the tracking store answers (or, when optional, a warning that it does not)."""
+    if tracking_cfg.backend == "null":
+        return
+    from memfit.tracking.mlflow_tracker import check_reachable
+
+    try:
+        check_reachable(tracking_cfg.resolved_uri())
+    except TrackingError as err:
+        if tracking_cfg.fail_if_unreachable:
+            raise
+        log.warning("%s; the run goes on WITHOUT tracking (tracking.fail_if_unreachable=false)", err)
+
+
+__all__ = ["NullTracker", "Tracker", "check_tracking", "make_tracker", "redact", "scrub"]

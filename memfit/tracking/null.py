@@ -1,4 +1,4 @@
-"""A tracker that records nothing (tracking.backend=null), for runs that must not touch a server."""
+"""A tracker that records nothing (tracking.backend=null, or an unreachable optional server)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,20 @@ class NullTracker:
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
         pass
 
+    def log_table(self, data: dict[str, list[Any]], artifact_file: str) -> None:
+        pass
+
+    def log_dataset(self, name: str, digest: str, source: str, context: str,
+                    profile: dict[str, Any] | None = None) -> None:
+        pass
+
+    def metric_history(self, key: str) -> list[tuple[int, float]]:
+        return []
+
     def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     def end_run(self, status: str = "FINISHED") -> None:

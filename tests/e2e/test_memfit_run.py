@@ -45,8 +45,17 @@ def test_memfit_run_tiny_json(tmp_path):
 
     from mlflow import MlflowClient
 
-    run = MlflowClient(out["tracking_uri"]).get_run(out["mlflow_run_id"])
+    client = MlflowClient(out["tracking_uri"])
+    run = client.get_run(out["mlflow_run_id"])
     assert run.info.status == "FINISHED" and "loss" in run.data.metrics
+    # The review story: system metrics, the PNGs, and a registered version behind the champion alias.
+    assert "system/cpu_utilization_percentage" in run.data.metrics
+    plots = {a.path for a in client.list_artifacts(out["mlflow_run_id"], "plots")}
+    assert plots == {"plots/loss_curve.png", "plots/memory_breakdown.png"}
+    assert out["registered_model"] == "tiny@champion" and out["gate_passed"] is True
+    champion = client.get_model_version_by_alias("tiny", "champion")
+    assert champion.run_id == out["mlflow_run_id"] and str(champion.version) == out["model_version"]
+    assert (tmp_path / "mlruns").is_dir()  # artifacts beside the default mlflow.db in the working folder
     ckpts = sorted(p.name for p in Path(out["checkpoint_uri"]).iterdir()) if not out["checkpoint_uri"].startswith(
         "s3://") else []
     assert ckpts[-1] == "step-00000060"

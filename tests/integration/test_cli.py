@@ -102,5 +102,5 @@ def test_probe_json(tmp_path):
 def test_help_documents_every_command(tmp_path):
     proc = memfit("--help", cwd=tmp_path)
     assert proc.returncode == 0
-    for cmd in ("run", "probe", "config", "checkpoints"):
+    for cmd in ("run", "probe", "config", "checkpoints", "export"):
         assert cmd in proc.stdout

@@ -27,15 +27,20 @@ def test_probe_measures_a_real_step(tiny_config):
     report = pipeline.probe(cfg)
     b = report.baseline
     assert b["peak_bytes"] > 0 and b["fits"] is True and b["budget_bytes"] is None
-    assert b["breakdown"]["activation"] > 0 and b["breakdown"]["parameter"] > 0
+    assert b["breakdown"]["activations"] > 0 and b["breakdown"]["params"] > 0
+    assert b["breakdown"]["optimizer"] > 0  # steady state: AdamW's moments exist during the step
     assert report.environment["device"]["type"] == "cpu"
     assert report.environment["libraries"]["torch"].startswith("2.13")
-    # A simulated budget below the measured peak is a would-OOM verdict, with numbers.
-    tight = pipeline.probe(tiny_config(**{"memory.budget_gb": b["peak_bytes"] / 2e9}))
+    # A simulated budget below the measured peak is a would-OOM verdict, with numbers, and the estimator's
+    # breakdown of what does not fit.
+    budget_gb = b["peak_bytes"] * 0.7 / 1e9
+    tight = pipeline.probe(tiny_config(**{"memory.budget_gb": budget_gb}))
     assert tight.baseline["fits"] is False and tight.baseline["headroom_bytes"] < 0
-    assert "would OOM" in tight.baseline["message"]
-    plan = pipeline.setup_stack(tiny_config(**{"memory.budget_gb": b["peak_bytes"] / 2e9}), tight)
-    assert plan.policy == "full"
+    assert "would OOM" in tight.baseline["message"] and "estimator" in tight.baseline["message"]
+    assert tight.baseline["estimate"]["breakdown"]["activations"] > 0
+    plan = pipeline.setup_stack(tiny_config(**{"memory.budget_gb": budget_gb}), tight)
+    assert plan.policy != "none" and plan.fits is True
+    assert plan.predicted_peak_bytes <= budget_gb * 1e9
     assert pipeline.setup_stack(cfg, report).policy == "none"
 
 

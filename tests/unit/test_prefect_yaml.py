@@ -37,3 +37,21 @@ def test_a_bad_parameter_is_rejected(monkeypatch):
     flow = load_flow_from_entrypoint("flows/finetune.py:finetune", use_placeholder_flow=False)
     with pytest.raises(ParameterTypeError):
         flow.validate_parameters({"config": {"train": {"max_steps": -1}}})
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_passes_the_servers_schema_validation(path, monkeypatch):
+    """What the Prefect server checks when a deployment is applied (JSON schema, not pydantic)."""
+    from prefect.flows import load_flow_from_entrypoint
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import validate
+
+    from memfit import config
+
+    monkeypatch.chdir(REPO)
+    for entrypoint in ("flows/finetune.py:finetune", "flows/retrain.py:retrain"):
+        flow = load_flow_from_entrypoint(entrypoint, use_placeholder_flow=False)
+        schema = parameter_schema(flow.fn).model_dump_for_openapi()
+        params = {"config": config.load(path).model_dump(mode="json")}
+        errors = validate(params, schema, raise_on_error=False, preprocess=True, ignore_required=True)
+        assert errors == [], (entrypoint, errors)

@@ -1,0 +1,19 @@
+"""The export flow: a training checkpoint (local or S3) → verified SafeTensors + ONNX, optionally uploaded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from tasks.export_checkpoint import export_checkpoint_task
+
+
+@flow(name="memfit-export", log_prints=True, validate_parameters=True)
+def export(checkpoint_uri: str, out_dir: str, onnx: bool = True, upload_uri: str | None = None) -> dict[str, Any]:
+    """Export a training checkpoint: a `…/step-NNNNNNNN` folder, or a checkpoint root (its newest verified one).
+
+    The model and tokenizer come from the checkpoint's own config.yaml; both exports are verified
+    (SafeTensors reloaded, ONNX compared with onnxruntime at several shapes) before they are moved in place.
+    """
+    return export_checkpoint_task(checkpoint_uri, out_dir, onnx, upload_uri)

@@ -1,0 +1,105 @@
+"""Evaluation for review: greedy generations for fixed prompts, and the run's figures and summary in MLflow."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.tracking.base import Tracker
+
+log = logging.getLogger("memfit.evaluation")
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # capped: a diverged run reports a huge number, not inf
+
+
+@torch.no_grad()
+def generate_samples(model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int,
+                     device: torch.device) -> list[dict[str, Any]]:
+    """Greedy continuations (KV cache on) of each prompt, one at a time so no padding changes a result."""
+    was_training = model.training
+    model.eval()
+    rows = []
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    try:
+        for prompt in prompts:
+            enc = tokenizer(prompt, return_tensors="pt")
+            ids = enc["input_ids"].to(device)
+            if ids.shape[1] == 0:  # an empty prompt: start from the bos/eos token
+                ids = torch.tensor([[tokenizer.bos_token_id or pad]], device=device)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, num_beams=1, use_cache=True, pad_token_id=pad)
+            new = out[0, ids.shape[1]:]
+            rows.append({"prompt": prompt, "completion": tokenizer.decode(new, skip_special_tokens=True),
+                         "new_tokens": int(new.numel())})
+    finally:
+        model.train(was_training)
+    return rows
+
+
+def log_generations(tracker: Tracker, rows: list[dict[str, Any]], step: int) -> None:
+    """The generations as an MLflow table (eval/generations.json: the UI's artifact view shows it as a grid)."""
+    if not rows:
+        return
+    table = {key: [r[key] for r in rows] for key in rows[0]}
+    table["step"] = [step] * len(rows)
+    tracker.log_table(table, "eval/generations.json")
+
+
+def log_loss_curve(tracker: Tracker, run_name: str) -> None:
+    """plots/loss_curve.png from the run's own metric history (so it spans every resumed segment)."""
+    from memfit.plots import loss_curve
+
+    train, val = tracker.metric_history("loss"), tracker.metric_history("val_loss")
+    if not train and not val:
+        return
+    with tempfile.TemporaryDirectory(prefix="memfit-plots-") as tmp:
+        tracker.log_artifact(loss_curve(train, val, Path(tmp) / "loss_curve.png", title=f"{run_name}: loss"),
+                             "plots")
+
+
+def log_memory_figure(tracker: Tracker, baseline: dict[str, Any] | None, plan: dict[str, Any] | None) -> None:
+    """plots/memory_breakdown.png: the baseline probe by kind, and the peak per step of the run so far."""
+    from memfit.plots import memory_breakdown
+
+    with tempfile.TemporaryDirectory(prefix="memfit-plots-") as tmp:
+        png = memory_breakdown(baseline, tracker.metric_history("memory_peak_bytes"),
+                               Path(tmp) / "memory_breakdown.png", plan=plan)
+        tracker.log_artifact(png, "plots")
+
+
+def plan_table(plan: dict[str, Any], baseline: dict[str, Any] | None) -> str:
+    """The memory plan and the baseline probe as a Markdown table (memory/plan.md in the run)."""
+    gb = 1e9
+    lines = ["# Memory plan", "", "| setting | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in plan.items() if k != "reason"]
+    if plan.get("reason"):
+        lines += ["", f"Why: {plan['reason']}"]
+    if baseline:
+        lines += ["", "## Baseline probe (one plain training step)", "", "| what | value |", "|---|---|"]
+        for key in ("peak_bytes", "budget_bytes", "headroom_bytes"):
+            if baseline.get(key) is not None:
+                lines.append(f"| {key.removesuffix('_bytes')} | {baseline[key] / gb:.4f} GB |")
+        lines += [f"| {k} | {baseline[k]} |" for k in ("fits", "oom", "budget_source", "method") if k in baseline]
+        for kind, value in (baseline.get("breakdown") or {}).items():
+            lines.append(f"| {kind} | {value / gb:.4f} GB |")
+        if baseline.get("message"):
+            lines += ["", str(baseline["message"])]
+    return "\n".join(lines) + "\n"
+
+
+def run_description(report: dict[str, Any]) -> str:
+    """A short Markdown note for the run's page (mlflow.note.content): the outcome at a glance."""
+    lines = ["**memfit run**", ""]
+    for key, value in report.items():
+        if value is not None:
+            shown = json.dumps(value) if isinstance(value, (dict, list)) else value
+            lines.append(f"- {key}: {shown}")
+    return "\n".join(lines)

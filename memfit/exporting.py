@@ -1,0 +1,217 @@
+"""From trained weights to delivered exports: any training checkpoint → verified SafeTensors + ONNX, uploaded."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import re
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import memfit
+from memfit.checkpointing import CheckpointManager, LoadedCheckpoint
+from memfit.errors import CheckpointError, ExportError, MemfitError, StorageError
+
+log = logging.getLogger("memfit.exporting")
+
+HF_DIR = "hf"
+ONNX_FILE = "model.onnx"
+EXPORT_MANIFEST = "manifest.json"
+EXPORT_FORMAT = "memfit-export/1"
+_STEP = re.compile(r"(?:^|/)(step-\d{8})/?$")
+
+
+@dataclass
+class ExportFiles:
+    """A verified export on local disk."""
+
+    dir: str
+    safetensors_dir: str
+    safetensors_max_abs_diff: float
+    onnx_path: str | None = None
+    onnx_max_abs_diff: float | None = None
+    onnx_opset: int | None = None
+    onnx_atol: float | None = None
+    onnx_parity: list[dict[str, Any]] | None = None
+    uploaded_uri: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- reading a training checkpoint ------------------------------------------------------------------
+def resolve_checkpoint(uri: str, dest: Path) -> LoadedCheckpoint:
+    """`…/step-NNNNNNNN` → that checkpoint; a checkpoint root → its newest verified one. Downloaded, verified."""
+    from memfit.storage import open_store
+
+    uri = uri.rstrip("/") or uri
+    m = _STEP.search(uri)
+    prefix = m.group(1) if m else None
+    root = uri[: -len(prefix)].rstrip("/") if prefix else uri
+    if prefix and not root:
+        root = "."
+    if "://" not in root and not Path(root).is_dir():
+        raise CheckpointError(f"training checkpoint {uri} not found: {Path(root).absolute()} is not a folder; "
+                              "give a checkpoint root (checkpoint.uri) or one of its step-NNNNNNNN folders")
+    manager = CheckpointManager(open_store(root))
+    try:
+        try:
+            infos = manager.list()
+        except StorageError as err:
+            raise CheckpointError(f"training checkpoint {uri}: cannot list {root} ({err})") from None
+        if prefix:
+            info = next((i for i in infos if i.prefix == prefix), None)
+            if info is None:
+                raise CheckpointError(f"training checkpoint {uri} not found or incomplete (no valid manifest.json); "
+                                      f"`memfit checkpoints ls {root}` lists the complete ones")
+            return manager.load(info, dest / prefix)  # CheckpointError names the file that fails
+        if not infos:
+            raise CheckpointError(f"no complete training checkpoint under {uri} (no step-NNNNNNNN folder with a "
+                                  "manifest.json); check the URI with `memfit checkpoints ls`")
+        loaded = manager.latest(dest)
+        if loaded is None:
+            raise CheckpointError(f"no training checkpoint under {uri} verifies: all {len(infos)} fail their "
+                                  "checksums (see the warnings above)")
+        return loaded
+    finally:
+        manager.close()
+
+
+def config_from_checkpoint(loaded: LoadedCheckpoint, uri: str) -> Any:
+    """The run's config, as saved in the training checkpoint (they are self-describing)."""
+    from memfit.config import from_dict
+
+    try:
+        data = yaml.safe_load(loaded.config_yaml) or {}
+    except yaml.YAMLError as err:
+        raise CheckpointError(f"{uri}: config.yaml of the training checkpoint is not valid YAML ({err})") from None
+    return from_dict(data, source=f"{loaded.info.uri}/config.yaml")
+
+
+def model_for_checkpoint(cfg: Any, work_dir: Path) -> tuple[Any, Any]:
+    """(model, tokenizer) of the architecture the checkpoint was trained on (a preset is rebuilt in work_dir)."""
+    from memfit.data import data_digest, load_texts
+    from memfit.modeling import load_model_and_tokenizer
+
+    if cfg.model.name_or_path:
+        model, tok, _ = load_model_and_tokenizer(cfg, [], "")
+        return model, tok
+    # A preset's tokenizer is trained on the run's data: rebuild it from the same texts and seed.
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"work_dir": str(work_dir)})})
+    try:
+        texts = load_texts(cfg.data)
+    except MemfitError as err:
+        raise type(err)(f"{err} (the checkpoint's model is preset {cfg.model.preset}, whose tokenizer is "
+                        "rebuilt from the training data)") from None
+    model, tok, _ = load_model_and_tokenizer(cfg, texts, data_digest(texts))
+    return model, tok
+
+
+# -- exporting ----------------------------------------------------------------------------------------
+def export_model(model: Any, tokenizer: Any, out_dir: str | Path, *, onnx: bool = True, onnx_atol: float = 1e-4,
+                 opset: int | None = None, metadata: dict[str, Any] | None = None) -> ExportFiles:
+    """SafeTensors folder (out_dir/hf) then ONNX (out_dir/model.onnx), each verified; ONNX failing keeps the first."""
+    import torch
+
+    from memfit.export import export_onnx, export_safetensors
+
+    out = Path(out_dir).absolute()
+    model.to(dtype=torch.float32)
+    st = export_safetensors(model, tokenizer, out / HF_DIR, metadata=metadata)
+    files = ExportFiles(dir=str(out), safetensors_dir=st.dir, safetensors_max_abs_diff=st.max_abs_diff)
+    if not onnx:
+        return files
+    try:
+        res = export_onnx(model.cpu(), out / ONNX_FILE, atol=onnx_atol, opset=opset, metadata=metadata)
+    except ExportError as err:
+        raise ExportError(f"{err} The verified SafeTensors export is kept at {st.dir}.") from None
+    files.onnx_path, files.onnx_max_abs_diff, files.onnx_opset = res.path, res.max_abs_diff, res.opset
+    files.onnx_atol = onnx_atol
+    files.onnx_parity = [{"batch": b, "seq": s, "max_abs_diff": d} for (b, s), d in (res.per_shape or [])]
+    return files
+
+
+def _export_paths(files: ExportFiles) -> dict[str, Path]:
+    """Store key → local file for everything an export consists of."""
+    out = Path(files.dir)
+    paths = {f"{HF_DIR}/{p.relative_to(files.safetensors_dir).as_posix()}": p
+             for p in sorted(Path(files.safetensors_dir).rglob("*")) if p.is_file()}
+    if files.onnx_path:
+        onnx = Path(files.onnx_path)
+        for p in (onnx, onnx.with_name(onnx.name + ".data"), onnx.with_name(onnx.name + ".memfit.json")):
+            if p.is_file():
+                paths[p.relative_to(out).as_posix()] = p
+    return paths
+
+
+def upload_export(files: ExportFiles, uri: str, metadata: dict[str, Any] | None = None) -> str:
+    """Upload every export file to `uri` (a folder or s3://…), then manifest.json last, which commits it."""
+    from memfit.export import sha256_file
+    from memfit.storage import open_store
+
+    store = open_store(uri)
+    # An interrupted re-upload must not look complete: the old manifest goes first.
+    store.delete(EXPORT_MANIFEST)
+    manifest_files = {}
+    for key, path in _export_paths(files).items():
+        store.put_file(path, key)
+        manifest_files[key] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    manifest = {"format": EXPORT_FORMAT, "memfit_version": memfit.__version__,
+                "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "onnx_max_abs_diff": files.onnx_max_abs_diff, "metadata": metadata or {}, "files": manifest_files}
+    store.put_bytes(EXPORT_MANIFEST, json.dumps(manifest, indent=2, default=str).encode())
+    log.info("export uploaded to %s (%d files, manifest last)", store.uri, len(manifest_files))
+    return store.uri
+
+
+def download_export(uri: str, dest: str | Path) -> Path:
+    """Download an uploaded export and check every file against its manifest; returns the local folder."""
+    from memfit.export import sha256_file
+    from memfit.storage import KeyNotFound, open_store
+
+    store, dest = open_store(uri), Path(dest)
+    try:
+        manifest = json.loads(store.get_bytes(EXPORT_MANIFEST))
+    except KeyNotFound:
+        raise ExportError(f"{uri} holds no complete export (no {EXPORT_MANIFEST})") from None
+    if manifest.get("format") != EXPORT_FORMAT:
+        raise ExportError(f"{uri}/{EXPORT_MANIFEST}: unknown format {manifest.get('format')!r}")
+    for key, meta in manifest["files"].items():
+        local = dest / key
+        local.parent.mkdir(parents=True, exist_ok=True)
+        store.get_file(key, local)
+        if sha256_file(local) != meta["sha256"]:
+            raise ExportError(f"{uri}/{key}: sha256 does not match the export manifest")
+    return dest
+
+
+def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, upload_uri: str | None = None,
+                      onnx_atol: float | None = None) -> dict[str, Any]:
+    """`memfit export`: any training checkpoint (local or S3) → verified exports in out_dir (and upload_uri)."""
+    from memfit.env import pin_threads
+
+    with tempfile.TemporaryDirectory(prefix="memfit-export-") as tmp:
+        loaded = resolve_checkpoint(uri, Path(tmp) / "checkpoint")
+        cfg = config_from_checkpoint(loaded, uri)
+        pin_threads(cfg.train.num_threads)
+        model, tokenizer = model_for_checkpoint(cfg, Path(tmp) / "work")
+        try:
+            model.load_state_dict(loaded.model_state, strict=True)
+        except RuntimeError as err:
+            raise CheckpointError(f"training checkpoint {loaded.info.uri} does not fit the model of its own "
+                                  f"config.yaml ({str(err).splitlines()[0]})") from None
+        metadata = {"source_checkpoint": loaded.info.uri, "step": loaded.step,
+                    "mlflow_run_id": loaded.state.get("mlflow_run_id"),
+                    "model_source": cfg.model.name_or_path or f"preset:{cfg.model.preset}"}
+        files = export_model(model, tokenizer, out_dir, onnx=onnx,
+                             onnx_atol=onnx_atol if onnx_atol is not None else cfg.export.onnx_atol,
+                             opset=cfg.export.opset, metadata=metadata)
+    if upload_uri:
+        files.uploaded_uri = upload_export(files, upload_uri, metadata)
+    return {"checkpoint": loaded.info.uri, "step": loaded.step, "run_name": cfg.run.name, **files.to_dict(),
+            "metadata": metadata}

@@ -1,0 +1,161 @@
+"""Pure memory math: a deep model's training step composed from traced segments of a shallow proxy."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from memfit.memory.tracker import BREAKDOWN_KEYS, Segment, Vec, add, total
+
+PROXY_BLOCKS = 3  # first, one interior, last: enough for any depth, since interior blocks are alike
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The knobs of one candidate besides checkpointing: what one step computes and in which precision."""
+
+    precision: str
+    micro_batch_size: int
+    grad_accum_steps: int
+    lora: bool
+
+    def label(self) -> str:
+        return (f"{self.precision}, micro-batch {self.micro_batch_size}x{self.grad_accum_steps}"
+                + (", LoRA" if self.lora else ""))
+
+
+@dataclass
+class KindTrace:
+    """A proxy of `n_proxy` blocks, all checkpointed as `kind`: its segments per micro-batch (0, and 1 if accumulating)."""
+
+    kind: str
+    n_proxy: int
+    micro: list[dict[str, Segment]]
+    host_bytes_per_block: int = 0
+
+
+@dataclass
+class StaticTrace:
+    """The full-depth model's weights, gradients and optimizer state, and its optimizer step."""
+
+    n_blocks: int
+    before_opt: Vec  # params + grads + optimizer state (+ whatever the step leaves alive)
+    after_opt: Vec  # params + optimizer state: what a forward starts from
+    opt_peak: Vec
+    opt_seconds: float
+    n_params: int
+    n_trainable: int
+    weight_bytes: int
+
+
+@dataclass
+class Estimate:
+    """Predicted peak of one steady-state training step (optimizer state allocated), and its time."""
+
+    stack: Stack
+    kinds: tuple[str, ...]
+    policy: str
+    every_k: int | None
+    peak_bytes: int
+    breakdown: Vec
+    activation_bytes: int  # activations alive at the end of the (last) forward
+    peak_at: str
+    step_seconds: float
+    host_bytes: int
+    weight_bytes: int
+    n_params: int
+    n_trainable: int
+    method: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stack"] = asdict(self.stack)
+        d["kinds"] = list(self.kinds)
+        return d
+
+
+def policy_name(kinds: tuple[str, ...] | list[str]) -> tuple[str, int | None]:
+    """The named policy a block assignment is, if any: none, full, selective, offload, every_k, else mixed."""
+    distinct = set(kinds)
+    if len(distinct) == 1:
+        return next(iter(distinct)), None
+    n = len(kinds)
+    if distinct == {"full", "none"}:
+        for k in range(2, n + 1):
+            if all((kind == "full") == (i % k == 0) for i, kind in enumerate(kinds)):
+                return "every_k", k
+    return "mixed", None
+
+
+def proxy_index(i: int, n: int, n_proxy: int) -> int:
+    """Which proxy block stands for block i of n: the first, the last, or an interior one."""
+    if n <= n_proxy:
+        return i
+    if i == 0:
+        return 0
+    if i == n - 1:
+        return n_proxy - 1
+    return min(1, n_proxy - 1)
+
+
+def _where(label: str, block: int | None) -> str:
+    phase = "forward" if label.startswith("f") else "backward"
+    if block is not None:
+        return f"{phase}, block {block}"
+    part = {"fpre": "embeddings", "fpost": "head and loss", "bpost": "head and loss", "bpre": "embeddings"}
+    return f"{phase}, {part.get(label, label)}"
+
+
+def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] | tuple[str, ...],
+            stack: Stack, method: str = "") -> Estimate:
+    """Walk the step segment by segment for `kinds` (one per block), tracking memory by category."""
+    n = len(kinds)
+    if n != static.n_blocks:
+        raise ValueError(f"{n} block kinds for a {static.n_blocks}-block model")
+    first, last = traces[kinds[0]], traces[kinds[-1]]
+    mem = dict(static.after_opt)
+    best: tuple[int, Vec, str] = (total(mem), dict(mem), "start of step")
+    seconds = 0.0
+    activations = 0
+
+    def visit(seg: Segment | None, where: str) -> None:
+        nonlocal mem, best
+        if seg is None:
+            return
+        candidate = add(mem, seg.rise)
+        if total(candidate) > best[0]:
+            best = (total(candidate), candidate, where)
+        mem = add(mem, seg.delta)
+
+    accum = stack.grad_accum_steps
+    for m in range(min(accum, 2)):
+        micro_seconds = 0.0
+        order: list[tuple[KindTrace, str, int | None]] = [(first, "fpre", None)]
+        order += [(traces[kinds[i]], f"fb{proxy_index(i, n, traces[kinds[i]].n_proxy)}", i) for i in range(n)]
+        order += [(last, "fpost", None), (last, "bpost", None)]
+        order += [(traces[kinds[i]], f"bb{proxy_index(i, n, traces[kinds[i]].n_proxy)}", i)
+                  for i in reversed(range(n))]
+        order += [(first, "bpre", None)]
+        for trace, label, block in order:
+            seg = trace.micro[min(m, len(trace.micro) - 1)].get(label)
+            visit(seg, f"micro-batch {m + 1}, {_where(label, block)}")
+            micro_seconds += seg.seconds if seg is not None else 0.0
+            if label == "fpost":
+                activations = mem["activations"]
+        # Micro-batches after the second start from the same state as the second: same memory, same time.
+        seconds += micro_seconds * (1 if m == 0 else accum - 1)
+    # The optimizer step, measured on the full-depth model; shifted by whatever else is alive here.
+    leftover = add(mem, static.before_opt, -1)
+    opt = add(static.opt_peak, leftover)
+    if total(opt) > best[0]:
+        best = (total(opt), opt, "optimizer step")
+    seconds += static.opt_seconds
+    name, k = policy_name(tuple(kinds))
+    host = sum(traces[kind].host_bytes_per_block for kind in kinds)
+    breakdown = {key: max(0, best[1][key]) for key in BREAKDOWN_KEYS}
+    return Estimate(stack=stack, kinds=tuple(kinds), policy=name, every_k=k, peak_bytes=sum(breakdown.values()),
+                    breakdown=breakdown, activation_bytes=max(0, activations), peak_at=best[2],
+                    step_seconds=seconds, host_bytes=host, weight_bytes=static.weight_bytes,
+                    n_params=static.n_params, n_trainable=static.n_trainable, method=method)
+

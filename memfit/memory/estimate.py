@@ -1,0 +1,298 @@
+"""Estimator: a training step traced on fake tensors (nothing allocated), composed to full depth."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from memfit.errors import ConfigError
+from memfit.memory.compose import PROXY_BLOCKS, Estimate, KindTrace, Stack, StaticTrace, compose
+from memfit.memory.devices import DeviceProfile
+from memfit.memory.policies import BLOCK_KINDS, OFFLOAD_EMULATION, assign_blocks, find_blocks
+from memfit.memory.step import init_optimizer_state, make_optimizer, op_cost_model, run_step
+from memfit.memory.tracker import Segment, StepTracker
+
+log = logging.getLogger("memfit.memory")
+
+
+# -- the model, from its config alone ------------------------------------------------------------------------
+def model_config_for(cfg: Any) -> Any:
+    """The transformers config of the model a memfit config trains; weights and tokenizer are not needed."""
+    from transformers import AutoConfig
+
+    from memfit.modeling import _preset_config, _preset_spec, _resolve
+
+    if cfg.model.name_or_path:
+        target, local = _resolve(cfg.model.name_or_path, need_config=True)
+        try:
+            return AutoConfig.from_pretrained(target, trust_remote_code=cfg.model.trust_remote_code,
+                                              local_files_only=local)
+        except Exception as err:  # unreadable or unknown architecture
+            raise ConfigError(f"model.name_or_path: cannot read the model config from {target} ({err})") from None
+    spec = _preset_spec(cfg.model, cfg.train.seed, "", cfg.data.seq_len)
+    # A preset's vocabulary is its trained tokenizer's, at most model.vocab_size: estimate with the maximum.
+    return _preset_config(spec, cfg.model.vocab_size, 0)
+
+
+def n_blocks_of(hf_config: Any) -> int:
+    n = getattr(hf_config, "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"model config ({type(hf_config).__name__}) has no num_hidden_layers; memfit cannot "
+                          "estimate this architecture")
+    return n
+
+
+def _with_depth(hf_config: Any, n: int) -> Any:
+    c = copy.deepcopy(hf_config)
+    c.num_hidden_layers = n
+    types = getattr(c, "layer_types", None)
+    if isinstance(types, list) and len(types) > n:
+        c.layer_types = types[:n]
+    c.use_cache = False
+    return c
+
+
+def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any) -> torch.nn.Module:
+    """The model with fake weights (shapes and dtypes only), as training would hold it.
+
+    Built on the meta device (no init, no memory), LoRA added and dtypes set there, then every parameter
+    and buffer becomes a fake CPU tensor (fake tensors themselves cannot go through Module.to()).
+    """
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    if lora_cfg is not None:
+        from memfit.lora import apply_lora
+
+        model = apply_lora(model, lora_cfg)
+        if precision == "bf16-true":
+            model.to(torch.bfloat16)  # the trainer casts the adapters too
+    _meta_to_fake(model, mode)
+    model.train()
+    return model
+
+
+def _meta_to_fake(model: torch.nn.Module, mode: Any) -> None:
+    cpu = torch.device("cpu")
+    done: dict[int, Any] = {}  # tied weights (GPT-2's wte and lm_head) stay one tensor
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in done:
+            meta = t.detach().to("meta") if t.device.type != "meta" else t.detach()
+            f = mode.fake_tensor_converter.from_meta_and_device(mode, meta, cpu)
+            done[id(t)] = torch.nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(
+                t, torch.nn.Parameter) else f
+        return done[id(t)]
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = fake(p)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = fake(b)
+
+
+@contextmanager
+def fake_tracing() -> Iterator[Any]:
+    """A FakeTensorMode (not yet entered), with transformers' mask logic taking the branch real batches take.
+
+    transformers cannot read fake position ids, so it assumes packed sequences and builds an explicit mask
+    where real tensors (memfit's batches: one sequence per row, no padding) get SDPA's is_causal; that
+    changes what attention saves for backward.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import masking_utils
+
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is not None:
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield FakeTensorMode(allow_non_fake_inputs=False)
+    finally:
+        if original is not None:
+            masking_utils.find_packed_sequence_indices = original
+
+
+class Estimator:
+    """Estimates for one model and workload on one target device; traces are cached per candidate.
+
+    Each decoder-block kind (none, selective, full, offload) is traced on a proxy with at most three blocks;
+    the full-depth model is built on fake tensors only for its weights and optimizer step. Any assignment of
+    kinds to blocks is then composed (memfit.memory.compose) without tracing again.
+    """
+
+    def __init__(self, hf_config: Any, seq_len: int, profile: DeviceProfile, *, lora_cfg: Any | None = None,
+                 save_ops: Sequence[str] = (), block_class: str | None = None, weight_decay: float = 0.01,
+                 max_grad_norm: float | None = 1.0, anchor_micro_batch: int | None = None) -> None:
+        self.hf_config = hf_config
+        self.n_blocks = n_blocks_of(hf_config)
+        self.seq_len = seq_len
+        self.profile = profile
+        self.lora_cfg = lora_cfg
+        self.save_ops = tuple(save_ops)
+        self.block_class = block_class
+        self.weight_decay = weight_decay
+        self.max_grad_norm = max_grad_norm
+        # Micro-batches strictly between 1 and this one are interpolated from traces at both ends: every
+        # activation is linear in the micro-batch, and a segment's peak (a max of linear terms) is convex,
+        # so the interpolation never underestimates.
+        self.anchor_micro_batch = anchor_micro_batch
+        self._statics: dict[tuple, StaticTrace] = {}
+        self._traces: dict[tuple, KindTrace] = {}
+        self.trace_seconds = 0.0
+
+    # -- tracing -----------------------------------------------------------------------------------------
+    def _build(self, n: int, stack: Stack, mode: Any) -> torch.nn.Module:
+        return fake_model(_with_depth(self.hf_config, n), stack.precision,
+                          self.lora_cfg if stack.lora else None, mode)
+
+    def static(self, stack: Stack) -> StaticTrace:
+        key = (stack.precision, stack.lora)
+        if key not in self._statics:
+            t0 = time.perf_counter()
+            self._statics[key] = self._trace_static(stack)
+            self.trace_seconds += time.perf_counter() - t0
+        return self._statics[key]
+
+    def _trace_static(self, stack: Stack) -> StaticTrace:
+        with fake_tracing() as mode:
+            model = self._build(self.n_blocks, stack, mode)
+            with mode:
+                # CUDA runs AdamW's multi-tensor (foreach) path by default, with its scratch copies; CPU loops.
+                optimizer = make_optimizer(model, self.weight_decay, foreach=self.profile.kind == "cuda")
+                init_optimizer_state(optimizer)
+                for g in optimizer.param_groups:
+                    for p in g["params"]:
+                        p.grad = torch.zeros_like(p)
+                tracker = StepTracker(op_seconds=op_cost_model(self.profile))
+                tracker.track_external(model, optimizer)
+                before = tracker.vec()
+                with tracker:
+                    run_step(model, optimizer, [], stack.precision, tracker, self.max_grad_norm)
+                after = tracker.vec()
+        opt_seg = next(s for s in tracker.segments if s.label == "opt")
+        # The tracker books everything the optimizer allocates as optimizer state; what is gone after the
+        # step (foreach scratch copies) is a temporary.
+        opt_peak = dict(opt_seg.peak)
+        scratch = max(0, opt_peak["optimizer"] - after["optimizer"])
+        opt_peak["optimizer"] -= scratch
+        opt_peak["other"] += scratch
+        params = list(model.parameters())
+        return StaticTrace(n_blocks=self.n_blocks, before_opt=before, after_opt=after, opt_peak=opt_peak,
+                           opt_seconds=opt_seg.seconds, n_params=sum(p.numel() for p in params),
+                           n_trainable=sum(p.numel() for p in params if p.requires_grad),
+                           weight_bytes=sum(p.numel() * p.element_size() for p in params))
+
+    def kind_trace(self, stack: Stack, kind: str) -> KindTrace:
+        if kind not in BLOCK_KINDS:
+            raise ValueError(kind)
+        n_micro = min(stack.grad_accum_steps, 2)
+        b, hi = stack.micro_batch_size, self.anchor_micro_batch
+        if hi is None or b == 1 or b >= hi:
+            return self._traced(stack.precision, stack.lora, kind, b, n_micro)
+        lo_t = self._traced(stack.precision, stack.lora, kind, 1, n_micro)
+        hi_t = self._traced(stack.precision, stack.lora, kind, hi, n_micro)
+        return interpolate(lo_t, hi_t, (b - 1) / (hi - 1))
+
+    def _traced(self, precision: str, lora: bool, kind: str, micro_batch: int, n_micro: int) -> KindTrace:
+        key = (precision, lora, kind, micro_batch, n_micro)
+        if key not in self._traces:
+            t0 = time.perf_counter()
+            self._traces[key] = self._trace_kind(Stack(precision, micro_batch, n_micro, lora), kind)
+            self.trace_seconds += time.perf_counter() - t0
+        return self._traces[key]
+
+    def _trace_kind(self, stack: Stack, kind: str) -> KindTrace:
+        n_proxy = min(self.n_blocks, PROXY_BLOCKS)
+        with fake_tracing() as mode:
+            model = self._build(n_proxy, stack, mode)
+            blocks = find_blocks(model, self.block_class)
+            if len(blocks) != n_proxy:
+                raise ConfigError(f"memory.block_class: found {len(blocks)} blocks in a {n_proxy}-layer model; "
+                                  "name the class of one decoder layer")
+            tracker = StepTracker(blocks, op_seconds=op_cost_model(self.profile))
+            assign_blocks(model, [kind] * n_proxy, block_class=self.block_class, save_ops=self.save_ops)
+            tracker.track_external(model)
+            with mode:
+                batches = self._batches(stack, min(stack.grad_accum_steps, 2))
+                _run_traced(model, None, batches, stack.precision, tracker)
+        micro: list[dict[str, Segment]] = [{} for _ in batches]
+        for seg in tracker.segments:
+            prefix, _, label = seg.label.partition(".")
+            if prefix.startswith("m") and label:
+                micro[int(prefix[1:])][label] = seg
+        return KindTrace(kind=kind, n_proxy=n_proxy, micro=micro,
+                         host_bytes_per_block=tracker.host_peak_bytes // n_proxy)
+
+    def _batches(self, stack: Stack, count: int) -> list[torch.Tensor]:
+        vocab = max(int(getattr(self.hf_config, "vocab_size", 0) or 0), 2)
+        return [torch.randint(0, vocab, (stack.micro_batch_size, self.seq_len)) for _ in range(count)]
+
+    # -- estimates ---------------------------------------------------------------------------------------
+    def estimate(self, stack: Stack, kinds: Sequence[str]) -> Estimate:
+        traces = {k: self.kind_trace(stack, k) for k in set(kinds)}
+        method = (f"fake-tensor trace of a {min(self.n_blocks, PROXY_BLOCKS)}-block proxy per block kind, "
+                  f"composed to {self.n_blocks} blocks; optimizer step traced at full depth")
+        return compose(self.static(stack), traces, list(kinds), stack, method)
+
+
+def interpolate(lo: KindTrace, hi: KindTrace, t: float) -> KindTrace:
+    """The trace at a micro-batch a fraction t of the way from lo's to hi's (same kind, same micro count)."""
+    def mix(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+        return {k: int(round(a[k] + t * (b[k] - a[k]))) for k in a}
+
+    micro = []
+    for lo_m, hi_m in zip(lo.micro, hi.micro, strict=True):
+        segs = {}
+        for label in lo_m.keys() & hi_m.keys():
+            a, b = lo_m[label], hi_m[label]
+            segs[label] = Segment(label, mix(a.start, b.start), mix(a.end, b.end), mix(a.peak, b.peak),
+                                  a.seconds + t * (b.seconds - a.seconds), b.ops)
+        micro.append(segs)
+    host = int(round(lo.host_bytes_per_block + t * (hi.host_bytes_per_block - lo.host_bytes_per_block)))
+    return KindTrace(kind=lo.kind, n_proxy=lo.n_proxy, micro=micro, host_bytes_per_block=host)
+
+
+def _run_traced(model: torch.nn.Module, optimizer: Any, batches: list[torch.Tensor], precision: str,
+                tracker: StepTracker, max_grad_norm: float | None = 1.0) -> None:
+    token = OFFLOAD_EMULATION.set(tracker.offload_hooks())
+    try:
+        with tracker:
+            run_step(model, optimizer, batches, precision, tracker, max_grad_norm)
+    finally:
+        OFFLOAD_EMULATION.reset(token)
+
+
+def trace_whole_step(hf_config: Any, stack: Stack, kinds: Sequence[str], seq_len: int, profile: DeviceProfile,
+                     *, lora_cfg: Any | None = None, save_ops: Sequence[str] = (), block_class: str | None = None,
+                     max_grad_norm: float | None = 1.0) -> dict[str, Any]:
+    """The whole-depth step traced in one go (no composition): slower, used to check the composition."""
+    with fake_tracing() as mode:
+        model = fake_model(hf_config, stack.precision, lora_cfg if stack.lora else None, mode)
+        blocks = find_blocks(model, block_class)
+        token = OFFLOAD_EMULATION.set(("offload" in kinds) and (lambda t: t, lambda t: t) or None)
+        try:
+            assign_blocks(model, list(kinds), block_class=block_class, save_ops=save_ops)
+        finally:
+            OFFLOAD_EMULATION.reset(token)
+        tracker = StepTracker(blocks)
+        with mode:
+            optimizer = make_optimizer(model, foreach=profile.kind == "cuda")
+            init_optimizer_state(optimizer)
+            vocab = max(int(getattr(hf_config, "vocab_size", 0) or 0), 2)
+            batches = [torch.randint(0, vocab, (stack.micro_batch_size, seq_len))
+                       for _ in range(stack.grad_accum_steps)]
+            tracker.track_external(model, optimizer)
+            _run_traced(model, optimizer, batches, stack.precision, tracker, max_grad_norm)
+    res = tracker.result()
+    act = max((s.end["activations"] for s in res.segments if s.label.endswith(".fpost")), default=0)
+    return {"peak_bytes": res.peak_bytes, "breakdown": res.peak, "activation_bytes": act, "peak_at": res.peak_label}

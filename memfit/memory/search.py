@@ -1,0 +1,213 @@
+"""From a memfit config to estimates and a plan: target device, budget, candidate stacks, the search."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from memfit.errors import ConfigError
+from memfit.memory.compose import Estimate, Stack
+from memfit.memory.devices import DeviceProfile, get_profile, profile_for_report
+from memfit.memory.estimate import Estimator, model_config_for, n_blocks_of
+from memfit.memory.plan import Plan, assignments, choose
+from memfit.memory.policies import make_policy
+
+log = logging.getLogger("memfit.memory")
+GB = 1e9
+
+
+def local_device_report(device: str = "auto") -> dict[str, Any]:
+    from memfit.env import device_report, resolve_device
+
+    return device_report(resolve_device(device))
+
+
+def target_profile(memory_cfg: Any, device_report: dict[str, Any] | None = None,
+                   device_name: str | None = None) -> DeviceProfile:
+    """--device, else memory.device, else the device this process runs on, else the CPU profile."""
+    if device_name:
+        return get_profile(device_name, "--device")
+    if memory_cfg.device:
+        return get_profile(memory_cfg.device, "memory.device")
+    return profile_for_report(device_report or {"type": "cpu"})
+
+
+def resolve_budget(memory_cfg: Any, profile: DeviceProfile, device_report: dict[str, Any] | None = None,
+                   budget_gb: float | None = None, device_named: bool = False) -> tuple[int | None, str]:
+    """The bytes the step's tensors may use, and where that figure comes from."""
+    if budget_gb is not None:
+        return int(budget_gb * GB), "--budget-gb"
+    if memory_cfg.budget_gb is not None:
+        return int(memory_cfg.budget_gb * GB), "memory.budget_gb"
+    if device_named or memory_cfg.device:
+        return profile.usable_bytes, f"usable memory of a {profile.name} ({profile.memory_bytes / GB:.1f} GB less " \
+                                     f"{profile.reserved_bytes / GB:.1f} GB for the CUDA context)"
+    if device_report and device_report.get("type") == "cuda":
+        return int(device_report["memory_free_bytes"]), f"free memory of {device_report.get('name')}"
+    return None, "none (CPU without memory.budget_gb)"
+
+
+def configured_stack(cfg: Any, lora: bool | None = None) -> Stack:
+    t = cfg.train
+    if lora is None:
+        lora = cfg.lora.enabled is True
+    return Stack(t.precision, t.micro_batch_size, t.grad_accum_steps, lora)
+
+
+def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = None) -> Estimator:
+    return Estimator(hf_config if hf_config is not None else model_config_for(cfg), cfg.data.seq_len, profile,
+                     lora_cfg=cfg.lora, save_ops=cfg.memory.selective_save_ops, block_class=cfg.memory.block_class,
+                     weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
+                     anchor_micro_batch=cfg.train.micro_batch_size)
+
+
+def policy_kinds(cfg: Any, n_blocks: int, policy: str) -> tuple[str, ...]:
+    p = make_policy(policy, every_k=cfg.memory.every_k, save_ops=cfg.memory.selective_save_ops,
+                    block_class=cfg.memory.block_class)
+    return tuple(p.block_kinds(n_blocks))
+
+
+def estimate_policy(cfg: Any, profile: DeviceProfile, policy: str, hf_config: Any | None = None,
+                    estimator: Estimator | None = None) -> Estimate:
+    """One estimate: the configured stack under a fixed policy."""
+    est = estimator or make_estimator(cfg, profile, hf_config)
+    stack = configured_stack(cfg)
+    return est.estimate(stack, policy_kinds(cfg, est.n_blocks, policy))
+
+
+def _micro_batches(cfg: Any) -> list[int]:
+    t = cfg.train
+    m0 = t.micro_batch_size
+    if not cfg.memory.allow_smaller_micro_batch:
+        return [m0]
+    divisors = [d for d in range(m0, 0, -1) if t.batch_size % d == 0]
+    picked = divisors[:4]
+    return picked + ([1] if 1 not in picked else [])
+
+
+def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:
+    """Stacks to try, tier by tier: the configured precision without LoRA first, fallbacks after."""
+    t = cfg.train
+    precisions = [t.precision] + [p for p in cfg.memory.allow_precisions if p != t.precision]
+    precisions = [p for p in precisions if profile.bf16 or not p.startswith("bf16")] or [t.precision]
+    loras = {True: [True], False: [False], "auto": [False, True]}[cfg.lora.enabled]
+    tiers = []
+    for lora in loras:
+        for precision in precisions:
+            tiers.append([Stack(precision, m, t.batch_size // m, lora) for m in _micro_batches(cfg)])
+    return tiers
+
+
+def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, hf_config: Any | None = None,
+             estimator: Estimator | None = None) -> Plan:
+    """Estimate the candidate stacks tier by tier and choose; a fixed memory.policy is estimated only."""
+    t0 = time.perf_counter()
+    est = estimator or make_estimator(cfg, profile, hf_config)
+    n = est.n_blocks
+    configured = configured_stack(cfg, lora=cfg.lora.enabled is True)
+    baseline = est.estimate(configured, ("none",) * n)
+    policy = cfg.memory.policy
+    if policy != "auto":
+        if policy == "offload" and profile.kind != "cuda":
+            raise ConfigError("memory.policy: 'offload' moves saved activations from the GPU to pinned CPU "
+                              f"memory and needs a CUDA device; the target ({profile.name}) has none: "
+                              "use 'full' or 'selective'")
+        chosen = est.estimate(configured, policy_kinds(cfg, n, policy))
+        return choose([chosen], budget, configured=configured, baseline=baseline,
+                      safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=policy)
+    limit = None if budget is None else budget * (1.0 - cfg.memory.safety_margin)
+    if limit is None or baseline.peak_bytes <= limit or (budget is not None and baseline.weight_bytes > budget):
+        # No recompute and the configured micro-batch fit: nothing can be faster, nothing else to trace.
+        # (Or the weights alone exceed the budget: nothing else can fit either.)
+        return choose([baseline], budget, configured=configured, baseline=baseline,
+                      safety_margin=cfg.memory.safety_margin, budget_source=source)
+    kinds = ("none", "selective", "full") + (("offload",) if profile.kind == "cuda" else ())
+    every = assignments(n, kinds)
+    seen: list[Estimate] = []
+    plan: Plan | None = None
+    for tier in candidate_tiers(cfg, profile):
+        ordered = sorted(tier, key=lambda s: -s.micro_batch_size)
+        first = ordered[0]
+        seen += [est.estimate(first, k) for k in every]
+        plan = choose(seen, budget, configured=configured, baseline=baseline,
+                      safety_margin=cfg.memory.safety_margin, budget_source=source)
+        # Under the step-time model a smaller micro-batch never beats the same policy at a larger one, so
+        # they matter only when the largest micro-batch needs recompute (or does not fit at all).
+        if plan.fits and plan.chosen is not None and set(plan.chosen.kinds) == {"none"}:
+            break
+        for stack in ordered[1:]:
+            seen += [est.estimate(stack, k) for k in every]
+        plan = choose(seen, budget, configured=configured, baseline=baseline,
+                      safety_margin=cfg.memory.safety_margin, budget_source=source)
+        if plan.fits:
+            break
+    assert plan is not None
+    log.info("memory planner: %d candidates over %d blocks in %.1f s (traces %.1f s)", len(seen), n,
+             time.perf_counter() - t0, est.trace_seconds)
+    return plan
+
+
+def plan_table_markdown(plan: Plan) -> str:
+    """The candidate table, chosen first, as Markdown (MLflow artifact, Prefect artifact, CLI)."""
+    rows = ["| | policy | blocks | precision | micro x accum | LoRA | peak GB | activations GB | overhead | fits |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in plan.table:
+        r = plan.row(e)
+        blocks = ", ".join(f"{v} {k}" for k, v in r["blocks"].items())
+        policy = f"every_k (k={e.every_k})" if e.policy == "every_k" else e.policy
+        mark = "**chosen**" if e is plan.chosen else ""
+        rows.append(f"| {mark} | {policy} | {blocks} | {e.stack.precision} | {e.stack.micro_batch_size} x "
+                    f"{e.stack.grad_accum_steps} | {'yes' if e.stack.lora else 'no'} | {e.peak_bytes / GB:.4g} | "
+                    f"{e.activation_bytes / GB:.4g} | {r['predicted_overhead'] * 100:+.1f}% | "
+                    f"{'yes' if r['fits'] else 'no'} |")
+    return "\n".join(rows)
+
+
+def n_blocks_for(cfg: Any, hf_config: Any | None = None) -> int:
+    return n_blocks_of(hf_config if hf_config is not None else model_config_for(cfg))
+
+
+# -- what `memfit estimate` and `memfit plan` print -----------------------------------------------------------
+def _target(cfg: Any, device: str | None, budget_gb: float | None) -> tuple[DeviceProfile, int | None, str]:
+    report = None if (device or cfg.memory.device) else local_device_report(cfg.train.device)
+    profile = target_profile(cfg.memory, report, device)
+    budget, source = resolve_budget(cfg.memory, profile, report, budget_gb, device_named=bool(device))
+    return profile, budget, source
+
+
+def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None = None,
+                    policy: str | None = None) -> dict[str, Any]:
+    """The predicted peak of one training step for the config (memory.policy, or --policy), on a target."""
+    t0 = time.perf_counter()
+    if policy is not None:
+        cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"policy": policy})})
+    profile, budget, source = _target(cfg, device, budget_gb)
+    est = make_estimator(cfg, profile)
+    if cfg.memory.policy == "auto":
+        plan = plan_for(cfg, profile, budget, source, estimator=est)
+        e = plan.chosen or min(plan.table, key=lambda x: x.peak_bytes)
+    else:
+        e = estimate_policy(cfg, profile, cfg.memory.policy, estimator=est)
+    limit = None if budget is None else int(budget * (1 - cfg.memory.safety_margin))
+    return {
+        "total_bytes": e.peak_bytes, "breakdown": dict(e.breakdown), "activation_bytes": e.activation_bytes,
+        "peak_at": e.peak_at, "policy": e.policy, "every_k": e.every_k,
+        "blocks": {k: sum(1 for x in e.kinds if x == k) for k in sorted(set(e.kinds))},
+        "precision": e.stack.precision, "micro_batch_size": e.stack.micro_batch_size,
+        "grad_accum_steps": e.stack.grad_accum_steps, "seq_len": cfg.data.seq_len, "lora": e.stack.lora,
+        "n_params": e.n_params, "n_trainable": e.n_trainable, "weight_bytes": e.weight_bytes,
+        "host_bytes": e.host_bytes, "predicted_step_seconds": round(e.step_seconds, 6),
+        "device": profile.name, "device_memory_bytes": profile.memory_bytes,
+        "device_usable_bytes": profile.usable_bytes, "budget_bytes": budget, "budget_source": source,
+        "fits": None if limit is None else e.peak_bytes <= limit, "method": e.method,
+        "elapsed_seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = None) -> tuple[Plan, dict[str, Any]]:
+    profile, budget, source = _target(cfg, device, budget_gb)
+    plan = plan_for(cfg, profile, budget, source)
+    out = plan.to_dict()
+    out["device"] = profile.name
+    return plan, out

@@ -1,0 +1,229 @@
+"""A tensor-memory tracker for one training step, on real or fake tensors, cut into per-block segments."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+from torch.utils._pytree import tree_flatten
+
+# Tracker categories -> the breakdown memfit reports.
+CATEGORY = {
+    _MemRefType.PARAM: "params", _MemRefType.BUFFER: "params", _MemRefType.GRAD: "grads",
+    _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations", _MemRefType.TEMP: "other",
+    _MemRefType.OTH: "other",
+}
+BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "other")
+# Storages the `offload` policy parks in host memory are booked on this pseudo-device.
+HOST = torch.device("meta")
+
+Vec = dict[str, int]
+
+
+def zero_vec() -> Vec:
+    return dict.fromkeys(BREAKDOWN_KEYS, 0)
+
+
+def add(a: Vec, b: Vec, sign: int = 1) -> Vec:
+    return {k: a[k] + sign * b[k] for k in BREAKDOWN_KEYS}
+
+
+def total(v: Vec) -> int:
+    return sum(v.values())
+
+
+@dataclass
+class Segment:
+    """One stretch of the step (e.g. block 3's forward): memory at its start, end and highest point."""
+
+    label: str
+    start: Vec
+    end: Vec
+    peak: Vec
+    seconds: float = 0.0
+    ops: int = 0
+
+    @property
+    def delta(self) -> Vec:
+        return add(self.end, self.start, -1)
+
+    @property
+    def rise(self) -> Vec:
+        """The highest point relative to the start (what this stretch adds on top of what it found)."""
+        return add(self.peak, self.start, -1)
+
+
+@dataclass
+class _Open:
+    label: str
+    start: Vec
+    peak: Vec
+    peak_total: int
+    seconds: float = 0.0
+    ops: int = 0
+
+
+@dataclass
+class TrackResult:
+    peak: Vec
+    peak_label: str
+    segments: list[Segment] = field(default_factory=list)
+    host_peak_bytes: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return total(self.peak)
+
+
+class StepTracker(MemTracker):
+    """torch's MemTracker (categories: params, grads, optimizer state, activations, temporaries) with:
+
+    - O(1) peak bookkeeping per op (the parent walks every module per op: minutes for a 32-block model);
+    - segments: the step cut at decoder-block boundaries, so deep stacks can be composed from shallow ones;
+    - offload emulation: storages the offload policy would move to pinned host memory are booked as host;
+    - an optional per-op cost model (seconds) for the step-time prediction.
+    """
+
+    def __init__(self, blocks: list[nn.Module] | tuple[nn.Module, ...] = (),
+                 op_seconds: Callable[[Any, tuple, dict, Any], float] | None = None) -> None:
+        super().__init__()
+        self._block_index = {id(b): i for i, b in enumerate(blocks)}
+        self._n_blocks = len(blocks)
+        self._op_seconds = op_seconds
+        self._prefix = ""
+        self._phase = "idle"
+        self._open: _Open | None = None
+        self.segments: list[Segment] = []
+        self.peak_vec: Vec = zero_vec()
+        self.peak_label = ""
+        self.host_peak_bytes = 0
+
+    # -- accounting ---------------------------------------------------------------------------------------
+    def vec(self) -> Vec:
+        out = zero_vec()
+        for dev, snap in self._curr_mem_snap.items():
+            if dev == HOST:
+                continue
+            for ref, nbytes in snap.items():
+                cat = CATEGORY.get(ref)
+                if cat is not None:
+                    out[cat] += nbytes
+        return out
+
+    def _device_total(self) -> int:
+        return sum(snap.get("Total", 0) for dev, snap in self._curr_mem_snap.items() if dev != HOST)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        now = self._device_total()
+        if self._open is not None and now > self._open.peak_total:
+            self._open.peak_total = now
+            self._open.peak = self.vec()
+        if now > total(self.peak_vec):
+            self.peak_vec = self.vec()
+            self.peak_label = self._open.label if self._open else self._phase
+        host = self._curr_mem_snap.get(HOST, {}).get("Total", 0)
+        self.host_peak_bytes = max(self.host_peak_bytes, host)
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True
+                                         ) -> tuple[int, int]:
+        # The parent hooks every parameter, which fails on frozen ones (LoRA's base weights): hook only
+        # those that get gradients.
+        sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._grad_seen),
+                        param.register_post_accumulate_grad_hook(lambda p: self._grad_seen(p.grad)),
+                    )
+        return sizes
+
+    def _grad_seen(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    def move_to_host(self, t: torch.Tensor) -> None:
+        """Book `t`'s storage on the host (what save_on_cpu does to a saved tensor), off the device total."""
+        winfo, _ = self._WINFO.get(t.untyped_storage(), (None, None))
+        if winfo is None or winfo.device == HOST:
+            return
+        if winfo.mem_consumed > 0:
+            self._update_snap(_UpdateType.DEL, winfo)
+        winfo.device = HOST
+        if winfo.mem_consumed > 0:
+            self._update_snap(_UpdateType.ADD, winfo)
+
+    def offload_hooks(self) -> tuple[Callable, Callable]:
+        """saved_tensors_hooks that emulate save_on_cpu: pack books the tensor on the host, unpack copies it back."""
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type != "meta":
+                self.move_to_host(t)
+            return t
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            return t.clone()  # the host-to-device copy backward makes
+
+        return pack, unpack
+
+    # -- segments -----------------------------------------------------------------------------------------
+    def mark(self, label: str) -> None:
+        """Close the current segment and open `label` (a phase boundary the driver or a block hook sees)."""
+        now = self.vec()
+        if self._open is not None:
+            o = self._open
+            self.segments.append(Segment(o.label, o.start, now, o.peak, o.seconds, o.ops))
+        self._open = _Open(label, now, dict(now), total(now))
+
+    def phase(self, name: str, prefix: str = "") -> None:
+        """The driver says which part of the step runs next: fwd, bwd, opt or idle."""
+        self._phase, self._prefix = name, prefix
+        if name == "idle":
+            if self._open is not None:
+                self.mark("idle")
+                self._open = None
+            return
+        self.mark(prefix + {"fwd": "fpre", "bwd": "bpost"}.get(name, name))
+
+    def result(self) -> TrackResult:
+        return TrackResult(peak=dict(self.peak_vec), peak_label=self.peak_label, segments=list(self.segments),
+                           host_peak_bytes=self.host_peak_bytes)
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        super()._pre_fw_hook(module, inputs)
+        i = self._block_index.get(id(module))
+        if i is not None and self._phase == "fwd":
+            self.mark(f"{self._prefix}fb{i}")
+
+    def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+        super()._post_fw_hook(module, inputs, outputs)
+        i = self._block_index.get(id(module))
+        if i is not None and i == self._n_blocks - 1 and self._phase == "fwd":
+            self.mark(f"{self._prefix}fpost")
+
+    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+        super()._pre_bw_hook(module, args)
+        i = self._block_index.get(id(module))
+        if i is not None and self._phase == "bwd":
+            self.mark(f"{self._prefix}bb{i}")
+
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+        super()._post_bw_hook(module, args)
+        i = self._block_index.get(id(module))
+        if i == 0 and self._phase == "bwd":
+            self.mark(f"{self._prefix}bpre")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        res = super().__torch_dispatch__(func, types, args, kwargs)
+        if self._op_seconds is not None and self._open is not None:
+            self._open.seconds += self._op_seconds(func, args, kwargs or {}, res)
+            self._open.ops += 1
+        return res
+
+
+def tensors_of(*trees: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(trees)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]

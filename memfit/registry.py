@@ -1,0 +1,255 @@
+"""The MLflow model registry: log an export as a pyfunc model, gate it against the champion, register, promote."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import logging
+import math
+import shutil
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import TrackingError
+
+log = logging.getLogger("memfit.registry")
+
+MODEL_CODE = Path(__file__).with_name("serving") / "causal_lm.py"
+GATE_METRIC = "val_perplexity"
+# Tags on a model version, so a champion's figures survive even if its run is deleted.
+TAG_PREFIX = "memfit."
+
+
+@dataclass
+class Champion:
+    """The version an alias points at: what the next candidate must beat."""
+
+    version: str
+    run_id: str | None
+    metrics: dict[str, float]
+    source: str
+    model_id: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    reason: str
+
+
+@dataclass
+class RegistryOutcome:
+    """What the registry step did for one run (JSON-able; goes into the export report)."""
+
+    model_name: str
+    gate_passed: bool
+    gate_reason: str
+    model_uri: str | None = None
+    version: str | None = None
+    alias: str | None = None
+    previous_champion: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def current_champion(client: Any, name: str, alias: str = "champion") -> Champion | None:
+    """The version `name@alias` with its metrics (version tags first, then its run's), or None."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mv = client.get_model_version_by_alias(name, alias)
+    except MlflowException as err:
+        if getattr(err, "error_code", "") in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+            return None
+        raise
+    metrics: dict[str, float] = {}
+    if mv.run_id:
+        with contextlib.suppress(MlflowException):
+            metrics.update(client.get_run(mv.run_id).data.metrics)
+    for key, value in (mv.tags or {}).items():
+        if key.startswith(TAG_PREFIX + "metric."):
+            with contextlib.suppress(ValueError):
+                metrics[key.removeprefix(TAG_PREFIX + "metric.")] = float(value)
+    return Champion(version=str(mv.version), run_id=mv.run_id, metrics=metrics, source=mv.source,
+                    model_id=getattr(mv, "model_id", None), tags=dict(mv.tags or {}))
+
+
+def gate(metrics: dict[str, float], champion_metrics: dict[str, float] | None, gate_cfg: Any) -> GateResult:
+    """Pure: does a candidate with `metrics` pass eval.gate (threshold and/or beating the champion)?"""
+    ppl = metrics.get(GATE_METRIC)
+    if ppl is None or not math.isfinite(ppl):
+        return GateResult(False, f"{GATE_METRIC} is {ppl}: nothing to judge the model by")
+    reasons = []
+    if gate_cfg.max_perplexity is not None:
+        if ppl > gate_cfg.max_perplexity:
+            return GateResult(False, f"{GATE_METRIC} {ppl:.4f} > eval.gate.max_perplexity {gate_cfg.max_perplexity:g}")
+        reasons.append(f"{GATE_METRIC} {ppl:.4f} <= eval.gate.max_perplexity {gate_cfg.max_perplexity:g}")
+    if gate_cfg.beat_champion:
+        theirs = (champion_metrics or {}).get(GATE_METRIC)
+        if champion_metrics is None:
+            reasons.append("no champion yet")
+        elif theirs is None or not math.isfinite(theirs):
+            reasons.append(f"the champion has no finite {GATE_METRIC}")
+        elif ppl < theirs:
+            reasons.append(f"{GATE_METRIC} {ppl:.4f} beats the champion's {theirs:.4f}")
+        else:
+            return GateResult(False, f"{GATE_METRIC} {ppl:.4f} does not beat the champion's {theirs:.4f} "
+                                     "(eval.gate.beat_champion)")
+    return GateResult(True, "; ".join(reasons) or "no gate configured")
+
+
+@contextlib.contextmanager
+def _tracking_uri(uri: str):
+    # mlflow's model logging reads the global tracking URI (and mirrors it into $MLFLOW_TRACKING_URI):
+    # set both for the call, then put both back as they were.
+    import os
+
+    from mlflow.tracking._tracking_service import utils
+
+    previous, env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    utils.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        utils.set_tracking_uri(previous)
+        if env is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = env
+
+
+def _requirements() -> list[str]:
+    reqs = []
+    for dist in ("torch", "transformers", "tokenizers", "safetensors"):
+        try:
+            reqs.append(f"{dist}=={importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            reqs.append(dist)
+    return reqs
+
+
+def _weights_digest(export_dir: Path) -> str | None:
+    try:
+        manifest = json.loads((export_dir / "memfit-export.json").read_text())
+    except (OSError, ValueError):
+        return None
+    files = manifest.get("files", {})
+    return ",".join(f"{k}:{v['sha256'][:16]}" for k, v in sorted(files.items()) if k.endswith(".safetensors"))
+
+
+def log_model(client: Any, tracking_uri: str, run_id: str, export_dir: str | Path, name: str = "model",
+              metadata: dict[str, Any] | None = None) -> tuple[str, str]:
+    """Log the SafeTensors export as a pyfunc (from code, nothing pickled) in run_id; (model_uri, model_id).
+
+    The same weights logged before in this run (a re-run of a finished run) are reused, not logged twice.
+    """
+    import mlflow
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+    export_dir = Path(export_dir)
+    digest = _weights_digest(export_dir)
+    run = client.get_run(run_id)
+    if digest:
+        found = client.search_logged_models(
+            experiment_ids=[run.info.experiment_id],
+            filter_string=f"source_run_id = '{run_id}' AND tags.`memfit.weights` = '{digest}'", max_results=20)
+        ready = [m for m in found if str(getattr(m.status, "name", m.status)).upper().endswith("READY")]
+        if ready:
+            return f"models:/{ready[0].model_id}", ready[0].model_id
+    signature = ModelSignature(inputs=Schema([ColSpec("string", "prompt")]), outputs=Schema([ColSpec("string")]),
+                               params=ParamSchema([ParamSpec("max_new_tokens", "long", 32)]))
+    # Created here, in the run's experiment: left to itself, mlflow files it under the *active* experiment.
+    logged = client.create_logged_model(run.info.experiment_id, name=name, source_run_id=run_id,
+                                        tags={"memfit.weights": digest or "unknown"}, params=run.data.params)
+    with _tracking_uri(tracking_uri), warnings.catch_warnings():
+        # Nothing to act on: the signature is explicit, and an input example would load the model again.
+        warnings.filterwarnings("ignore", message=".*(type hint|input example|input_example).*")
+        info = mlflow.models.Model.log(
+            None, name=name, flavor=mlflow.pyfunc, run_id=run_id, model_id=logged.model_id,
+            python_model=str(MODEL_CODE), artifacts={"hf": str(export_dir)}, pip_requirements=_requirements(),
+            signature=signature, metadata=metadata)
+    return info.model_uri, info.model_id
+
+
+def register(client: Any, name: str, model_uri: str, run_id: str, model_id: str | None,
+             tags: dict[str, str] | None = None) -> str:
+    """A version of `name` for this model (created with the registered model if new); reused when it exists."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name, description="Causal LM fine-tuned by memfit (pyfunc over a "
+                                       "SafeTensors Hugging Face folder).")
+    except MlflowException as err:
+        if getattr(err, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+            raise
+    for mv in client.search_model_versions(f"name = '{_quote(name)}' and run_id = '{run_id}'"):
+        if mv.source == model_uri or (model_id and getattr(mv, "model_id", None) == model_id):
+            return str(mv.version)  # a re-run of a finished run: the same model, already registered
+    # The SQL registry store looks the logged model up through the *global* tracking URI.
+    with _tracking_uri(client.tracking_uri):
+        mv = client.create_model_version(name, source=model_uri, run_id=run_id, model_id=model_id,
+                                         tags={k: str(v) for k, v in (tags or {}).items()})
+    return str(mv.version)
+
+
+def promote(client: Any, name: str, version: str, alias: str = "champion") -> None:
+    client.set_registered_model_alias(name, alias, version)
+
+
+def _quote(name: str) -> str:
+    return name.replace("'", "\\'")
+
+
+def publish(client: Any, tracking_uri: str, run_id: str, export_dir: str | Path, metrics: dict[str, float],
+            model_name: str, gate_cfg: Any, alias: str = "champion",
+            version_tags: dict[str, str] | None = None) -> RegistryOutcome:
+    """Log the export as a model in the run, gate it, and register + promote only when the gate passes."""
+    champion = current_champion(client, model_name, alias)
+    model_uri, model_id = log_model(client, tracking_uri, run_id, export_dir)
+    if champion is not None and champion.run_id == run_id:
+        result = GateResult(True, f"this run is already {model_name}@{alias} (version {champion.version})")
+    else:
+        result = gate(metrics, champion.metrics if champion else None, gate_cfg)
+    outcome = RegistryOutcome(model_name=model_name, gate_passed=result.passed, gate_reason=result.reason,
+                              model_uri=model_uri, previous_champion=champion.version if champion else None)
+    if not result.passed:
+        log.warning("eval gate failed for %s: %s; not registered", model_name, result.reason)
+        return outcome
+    tags = {**(version_tags or {}), **{f"{TAG_PREFIX}metric.{k}": str(v) for k, v in metrics.items()}}
+    outcome.version = register(client, model_name, model_uri, run_id, model_id, tags)
+    promote(client, model_name, outcome.version, alias)
+    outcome.alias = alias
+    log.info("registered %s version %s and set alias %s (%s)", model_name, outcome.version, alias, result.reason)
+    return outcome
+
+
+def fetch_champion(tracking_uri: str, name: str, dest: str | Path, alias: str = "champion") -> Path:
+    """Download `name@alias` and return its SafeTensors folder, checksums verified (for fine-tuning from it)."""
+    from mlflow.artifacts import download_artifacts
+
+    from memfit.export import MANIFEST_NAME, sha256_file
+
+    dest = Path(dest)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    try:
+        from mlflow import MlflowClient
+
+        # Resolve the alias with a client bound to this store: `models:/` URIs otherwise go through the
+        # process-wide registry URI, which may point at another store.
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        version = client.get_model_version_by_alias(name, alias).version
+        source = client.get_model_version_download_uri(name, version)
+        local = Path(download_artifacts(artifact_uri=source, dst_path=str(dest), tracking_uri=tracking_uri))
+    except Exception as err:  # noqa: BLE001 - MlflowException and transport errors alike
+        raise TrackingError(f"registry: cannot download models:/{name}@{alias} ({err})") from None
+    folder = local / "artifacts" / "hf"
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    for rel, meta in manifest["files"].items():
+        if sha256_file(folder / rel) != meta["sha256"]:
+            raise TrackingError(f"registry: {name}@{alias} file {rel} does not match its export checksum")
+    return folder

@@ -1,0 +1,74 @@
+"""Phase 5 after evaluation: verified exports, their upload and MLflow artifacts, the gate and the registry."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from memfit.config import MemfitConfig
+from memfit.evaluation import log_loss_curve, run_description
+from memfit.exporting import ExportFiles, export_model, upload_export
+from memfit.registry import publish
+from memfit.reports import ExportReport
+from memfit.tracking.mlflow_tracker import MLflowTracker
+
+log = logging.getLogger("memfit.release")
+
+
+def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: dict[str, Any],
+            metrics: dict[str, float], step: int) -> ExportReport:
+    """Verified exports, their upload and MLflow artifacts, the loss curve, then the gate and the registry."""
+    files = export_model(model, tokenizer, cfg.export.dir, onnx=cfg.export.onnx, onnx_atol=cfg.export.onnx_atol,
+                         opset=cfg.export.opset, metadata=meta)
+    if files.onnx_max_abs_diff is not None:
+        tracker.log_metrics({"onnx_max_abs_diff": files.onnx_max_abs_diff}, step=step)
+    tags = {}
+    if cfg.export.uri:  # one folder per run: a candidate that fails the gate never overwrites the champion's
+        target = f"{cfg.export.uri.rstrip('/')}/{meta['mlflow_run_id']}"
+        files.uploaded_uri = upload_export(files, target, meta)
+        tags["memfit.export_uri"] = files.uploaded_uri
+    outcome = None
+    if cfg.registry.enabled and isinstance(tracker, MLflowTracker):
+        tracker.flush()
+        version_tags = {"memfit.source_checkpoint": str(meta["source_checkpoint"]), "memfit.step": str(step),
+                        **({"memfit.onnx_max_abs_diff": str(files.onnx_max_abs_diff)} if files.onnx_path else {}),
+                        **tags}
+        outcome = publish(tracker.client, tracker.tracking_uri, tracker.run_id, files.safetensors_dir, metrics,
+                          cfg.registry.model_name or cfg.run.name, cfg.eval.gate, cfg.registry.alias, version_tags)
+        tags.update({"memfit.gate": "passed" if outcome.gate_passed else "failed",
+                     "memfit.gate.reason": outcome.gate_reason})
+    elif cfg.registry.enabled:
+        log.info("registry skipped: it needs the MLflow tracker (%s)", tracker.describe())
+    log_export_artifacts(tracker, files, weights_in_model=outcome is not None)
+    log_loss_curve(tracker, cfg.run.name)
+    summary = {"val_loss": round(metrics["val_loss"], 5), "val_perplexity": round(metrics["val_perplexity"], 4),
+               "onnx_max_abs_diff": files.onnx_max_abs_diff, "export": files.dir, "uploaded_to": files.uploaded_uri,
+               **({"gate": outcome.gate_reason, "registered": f"{outcome.model_name} v{outcome.version}"
+                   if outcome.version else "no"} if outcome else {})}
+    tracker.set_tags({**tags, "memfit.status": "completed", "mlflow.note.content": run_description(summary)})
+    return ExportReport(final_val_loss=metrics["val_loss"], final_val_perplexity=metrics["val_perplexity"],
+                        safetensors_dir=files.safetensors_dir, safetensors_max_abs_diff=files.safetensors_max_abs_diff,
+                        onnx_path=files.onnx_path, onnx_max_abs_diff=files.onnx_max_abs_diff,
+                        onnx_opset=files.onnx_opset, source_checkpoint=str(meta["source_checkpoint"]),
+                        export_uri=files.uploaded_uri, registry=outcome.to_dict() if outcome else None)
+
+
+def log_export_artifacts(tracker: Any, files: ExportFiles, weights_in_model: bool) -> None:
+    """export/hf (without the weights when the logged model already holds them) and export/onnx in the run."""
+    hf = Path(files.safetensors_dir)
+    if weights_in_model:
+        with tempfile.TemporaryDirectory(prefix="memfit-hf-meta-") as tmp:
+            for p in hf.iterdir():
+                if p.is_file() and p.suffix != ".safetensors":
+                    shutil.copy2(p, Path(tmp) / p.name)
+            tracker.log_artifact(tmp, "export/hf")
+    else:
+        tracker.log_artifact(hf, "export/hf")
+    if files.onnx_path:
+        onnx = Path(files.onnx_path)
+        for p in (onnx, onnx.with_name(onnx.name + ".data"), onnx.with_name(onnx.name + ".memfit.json")):
+            if p.is_file():
+                tracker.log_artifact(p, "export/onnx")

@@ -1,0 +1,111 @@
+"""The estimator: fake-tensor predictions against real measurements, composition, big models from config.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit import config
+from memfit.memory.compose import Stack
+from memfit.memory.devices import PROFILES, get_profile
+from memfit.memory.estimate import Estimator, trace_whole_step
+from memfit.memory.policies import assign_blocks, find_blocks, mixed_kinds
+from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
+from memfit.memory.tracker import StepTracker
+from memory_support import SAVE_OPS, VOCAB, tiny
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+SEQ = 48
+# The estimator runs the very ops a real step runs, on fake tensors: measured and predicted bytes agree to
+# within this (they agree exactly on these models; the margin covers kernels whose workspace differs).
+TOLERANCE = 0.03
+
+
+def measure(model, kinds, stack: Stack) -> tuple[int, int]:
+    """(peak, activations after the last forward) of one real steady-state step, from the tracker."""
+    assign_blocks(model, kinds, save_ops=SAVE_OPS)
+    optimizer = make_optimizer(model)
+    init_optimizer_state(optimizer)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, VOCAB, (stack.micro_batch_size, SEQ), generator=gen)
+               for _ in range(stack.grad_accum_steps)]
+    tracker = StepTracker(find_blocks(model))
+    tracker.track_external(model, optimizer)
+    with tracker:
+        run_step(model, optimizer, batches, stack.precision, tracker)
+    res = tracker.result()
+    act = [s.end["activations"] for s in res.segments if s.label.endswith(".fpost")][-1]
+    return res.peak_bytes, act
+
+
+@pytest.mark.parametrize("arch, stack, policies", [
+    ("llama", Stack("fp32", 4, 1, False), ["none", "every_2"]),
+    ("gpt2", Stack("bf16-mixed", 2, 2, False), ["none", "selective"]),
+])
+def test_estimate_matches_the_measured_step(arch, stack, policies):
+    model = tiny(arch)
+    n = len(find_blocks(model))
+    est = Estimator(model.config, SEQ, PROFILES["cpu"], save_ops=SAVE_OPS)
+    for policy in policies:
+        kinds = ["full" if i % 2 == 0 else "none" for i in range(n)] if policy == "every_2" else [policy] * n
+        predicted = est.estimate(stack, kinds)
+        peak, act = measure(model, kinds, stack)
+        assert predicted.peak_bytes == pytest.approx(peak, rel=TOLERANCE), policy
+        assert predicted.activation_bytes == pytest.approx(act, rel=TOLERANCE), policy
+        b = predicted.breakdown
+        assert b["params"] > 0 and b["optimizer"] > 0 and sum(b.values()) == predicted.peak_bytes
+
+
+def test_composed_estimate_matches_a_whole_depth_trace():
+    cfg = tiny("llama", layers=5).config
+    stack = Stack("bf16-mixed", 2, 2, False)
+    est = Estimator(cfg, SEQ, PROFILES["cpu"], save_ops=SAVE_OPS)
+    for kinds in (mixed_kinds(5, {"full": 2, "selective": 2, "none": 1}),):
+        composed = est.estimate(stack, kinds)
+        whole = trace_whole_step(cfg, stack, kinds, SEQ, PROFILES["cpu"], save_ops=SAVE_OPS)
+        assert composed.peak_bytes == pytest.approx(whole["peak_bytes"], rel=0.01)
+        assert composed.activation_bytes == pytest.approx(whole["activation_bytes"], rel=0.01)
+
+
+def test_interpolated_micro_batches_never_underestimate():
+    cfg = tiny("llama", layers=2).config
+    anchored = Estimator(cfg, SEQ, PROFILES["cpu"], save_ops=SAVE_OPS, anchor_micro_batch=8)
+    exact = Estimator(cfg, SEQ, PROFILES["cpu"], save_ops=SAVE_OPS)
+    for kind in ("none", "full"):
+        stack = Stack("fp32", 4, 4, False)
+        a, e = anchored.estimate(stack, [kind] * 2), exact.estimate(stack, [kind] * 2)
+        assert e.peak_bytes <= a.peak_bytes <= e.peak_bytes * 1.01
+        assert a.activation_bytes == pytest.approx(e.activation_bytes, rel=0.001)
+
+
+def test_offload_estimate_parks_block_inputs_on_the_host():
+    cfg = tiny("llama").config
+    est = Estimator(cfg, SEQ, get_profile("a100-40gb"), save_ops=SAVE_OPS)
+    stack = Stack("bf16-mixed", 4, 1, False)
+    full, off = est.estimate(stack, ["full"] * 4), est.estimate(stack, ["offload"] * 4)
+    assert off.activation_bytes < full.activation_bytes and off.host_bytes > 0
+
+
+def test_llama3_8b_from_config_json_alone(tmp_path):
+    """Full fine-tuning of Llama-3-8B in bf16-mixed needs > 80 GB for weights + grads + AdamW; LoRA with full
+    checkpointing at batch 4 x 2048 fits an 80 GB device. Nothing is allocated: config.json is all there is."""
+    from memfit.memory.search import estimate_report
+
+    folder = tmp_path / "llama-3-8b"
+    folder.mkdir()
+    (folder / "config.json").write_text((REPO / "configs" / "models" / "llama-3-8b" / "config.json").read_text())
+    cfg = config.load(REPO / "configs" / "llama-3-8b-lora.yaml", [f"model.name_or_path={folder}"])
+    assert (cfg.train.batch_size, cfg.data.seq_len, cfg.memory.policy) == (4, 2048, "full")
+    full_ft = estimate_report(cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"enabled": False})}))
+    b = full_ft["breakdown"]
+    assert full_ft["n_params"] == pytest.approx(8.03e9, rel=0.01)
+    assert b["params"] + b["grads"] + b["optimizer"] > 80e9 and full_ft["fits"] is False
+    lora = estimate_report(cfg)
+    assert lora["lora"] is True and lora["n_trainable"] < 0.01 * lora["n_params"]
+    assert lora["total_bytes"] <= 80e9 and lora["fits"] is True
+    assert lora["breakdown"]["activations"] > 1e9  # 32 checkpointed block inputs at 4 x 2048 x 4096, logits...
+    json.dumps(lora)  # what `memfit estimate --json` prints

@@ -1,0 +1,97 @@
+"""`memfit estimate` and `memfit plan` as a user runs them, and LoRA + checkpointing through the pipeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit import pipeline
+from memfit.errors import MemoryBudgetError
+from memfit.reports import PlanReport
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def memfit(*args: str):
+    """The CLI in this process (the subprocess start-up costs seconds a call); same exit codes and streams."""
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    return CliRunner().invoke(app, list(args), catch_exceptions=False)
+
+
+def _json(res) -> dict:
+    assert res.exit_code == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _assert_clean_error(res, *needles: str) -> None:
+    assert res.exit_code == 2, res.stderr[-2000:]
+    for n in needles:
+        assert n in res.stderr, (n, res.stderr[-2000:])
+
+
+def test_plan_between_full_and_none_fits_with_checkpointing():
+    none = _json(memfit("estimate", TINY, "--policy", "none", "--json"))
+    full = _json(memfit("estimate", TINY, "--policy", "full", "--json"))
+    for e in (none, full):
+        assert set(e["breakdown"]) == {"params", "grads", "optimizer", "activations", "other"}
+        assert e["total_bytes"] == sum(e["breakdown"].values())
+    assert full["total_bytes"] < none["total_bytes"] and full["activation_bytes"] < none["activation_bytes"]
+    budget_gb = (full["total_bytes"] + none["total_bytes"]) / 2 / 1e9
+    plan = _json(memfit("plan", TINY, "--budget-gb", f"{budget_gb:.9f}", "--json"))
+    assert plan["fits"] is True and plan["policy"] != "none"
+    assert plan["predicted_peak_bytes"] <= budget_gb * 1e9
+    assert plan["predicted_overhead"] < next(a["predicted_overhead"] for a in plan["alternatives"]
+                                             if a["policy"] == "full" and a["micro_batch_size"] == 8)
+    for key in ("precision", "micro_batch_size", "grad_accum_steps", "lora", "alternatives"):
+        assert key in plan
+    assert all(a["predicted_peak_bytes"] > plan["limit_bytes"] for a in plan["alternatives"] if not a["fits"])
+
+
+def test_plan_and_estimate_bad_input():
+    _assert_clean_error(memfit("plan", TINY, "--device", "tpu-v5"), "--device", "tpu-v5")
+    _assert_clean_error(memfit("estimate", TINY, "--policy", "sometimes"), "--policy")
+    _assert_clean_error(memfit("plan", TINY, "--set", "memory.budget_gb=0.0001"),
+                        "memory.budget_gb", "below the model's weights alone")
+    _assert_clean_error(memfit("estimate", TINY, "--set", "lora.enabled=true", "--set",
+                               "lora.target_modules=[nope_proj]"), "lora.target_modules", "nope_proj")
+
+
+def test_lora_with_checkpointing_trains_adapters_and_exports_merged(tiny_config):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(**{"lora.enabled": "true", "lora.r": 4, "memory.policy": "full", "train.max_steps": 2,
+                         "train.eval_batches": 1, "tracking.backend": "null"})
+    report = pipeline.probe(cfg)
+    plan = pipeline.setup_stack(cfg, report)
+    assert plan.lora is True and plan.policy == "full" and plan.predicted_peak_bytes > 0
+    result = pipeline.train(cfg, plan, pipeline.recover(cfg), report)
+    assert result.steps == 2
+    exported = pipeline.evaluate_and_export(cfg, result)
+    model = AutoModelForCausalLM.from_pretrained(exported.safetensors_dir)
+    assert not any("lora" in k for k in model.state_dict())
+    assert exported.final_val_loss < 50
+    # Even a forced policy cannot run when the budget is below the weights themselves.
+    with pytest.raises(MemoryBudgetError, match="memory.budget_gb.*below the model's weights alone"):
+        pipeline.setup_stack(tiny_config(**{"memory.policy": "full", "memory.budget_gb": 1e-5}), report)
+
+
+def test_a_planned_mix_is_applied_block_by_block(tiny_config):
+    cfg = tiny_config()
+    inputs = pipeline.load_inputs(cfg)
+    plan = PlanReport(policy="mixed", every_k=2, precision="fp32", micro_batch_size=8, grad_accum_steps=2,
+                      reason="test", description="", block_kinds=["full", "selective"])
+    model = pipeline.build_training_model(cfg, inputs.model, plan)
+    flags = [b.gradient_checkpointing for b in model.model.layers]
+    funcs = [b._gradient_checkpointing_func for b in model.model.layers]
+    assert flags == [True, True] and funcs[0] is not funcs[1]
+    batch = torch.randint(0, model.config.vocab_size, (2, 16))
+    model(input_ids=batch, labels=batch).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())

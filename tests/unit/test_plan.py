@@ -1,0 +1,125 @@
+"""The planner as a pure function: estimates and a budget in, the fastest stack that fits out."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit import config
+from memfit.errors import ConfigError
+from memfit.memory.compose import Estimate, Stack, policy_name
+from memfit.memory.devices import PROFILES, get_profile
+from memfit.memory.plan import assignments, choose, every_k_kinds
+
+pytestmark = pytest.mark.unit
+GB = 10**9
+BASE = Stack("fp32", 8, 1, False)
+N = 8
+
+
+def est(kinds, *, stack=BASE, weights=2 * GB, act_per_block=1 * GB, opt=4 * GB) -> Estimate:
+    """A made-up estimate: each kind keeps a share of a block's activations and costs a share of recompute."""
+    keep = {"none": 1.0, "selective": 0.5, "full": 0.1, "offload": 0.02}
+    cost = {"none": 0.0, "selective": 0.02, "full": 0.035, "offload": 0.05}
+    scale = stack.micro_batch_size / 8
+    act = int(sum(keep[k] for k in kinds) * act_per_block * scale)
+    grads = 0 if stack.lora else weights
+    optimizer = int(0.01 * opt) if stack.lora else opt
+    seconds = (1.0 + sum(cost[k] for k in kinds)) * (1 + 0.3 * (8 / stack.micro_batch_size - 1))
+    name, k = policy_name(tuple(kinds))
+    breakdown = {"params": weights, "grads": grads, "optimizer": optimizer, "activations": act, "other": 0}
+    return Estimate(stack=stack, kinds=tuple(kinds), policy=name, every_k=k, peak_bytes=sum(breakdown.values()),
+                    breakdown=breakdown, activation_bytes=act, peak_at="backward, block 7", step_seconds=seconds,
+                    host_bytes=0, weight_bytes=weights, n_params=weights // 4, n_trainable=weights // 4)
+
+
+def candidates(stacks=(BASE,), kinds=("none", "selective", "full")):
+    return [est(a, stack=s) for s in stacks for a in assignments(N, kinds)]
+
+
+def plan(cands, budget, **kw):
+    return choose(cands, budget, configured=BASE, baseline=est(["none"] * N), safety_margin=0.0, **kw)
+
+
+def test_assignments_cover_every_count_of_each_kind():
+    every = assignments(N)
+    assert len(every) == (N + 1) * (N + 2) // 2 and len(set(every)) == len(every)
+    assert ("none",) * N in every and ("full",) * N in every and every_k_kinds(N, 2) in every
+    assert ("offload",) * N in assignments(N, ("none", "full", "offload"))
+    deep = assignments(128)
+    assert len(deep) < 700 and ("full",) * 128 in deep  # deep models: counts in steps
+
+
+def test_ample_budget_picks_no_checkpointing():
+    p = plan(candidates(), 100 * GB)
+    assert p.fits and p.chosen.policy == "none" and p.overhead(p.chosen) == 0
+
+
+def test_tight_budget_picks_the_fastest_checkpointing_that_fits_never_one_over_budget():
+    cands = candidates()
+    full, none = est(["full"] * N), est(["none"] * N)
+    for frac in (0.1, 0.3, 0.5, 0.7, 0.9):
+        budget = int(full.peak_bytes + frac * (none.peak_bytes - full.peak_bytes))
+        p = plan(cands, budget)
+        assert p.fits and p.chosen.policy != "none" and p.chosen.peak_bytes <= budget
+        fitting = [c for c in cands if c.peak_bytes <= budget]
+        assert p.chosen.step_seconds == min(c.step_seconds for c in fitting)
+        # Beats checkpointing every layer: faster than full while fitting the same budget.
+        assert p.chosen.step_seconds < full.step_seconds
+        assert all(r["fits"] == (r["predicted_peak_bytes"] <= budget) for r in p.to_dict()["alternatives"])
+
+
+def test_safety_margin_is_kept_free():
+    cands = candidates()
+    none = est(["none"] * N)
+    p = choose(cands, none.peak_bytes, configured=BASE, baseline=none, safety_margin=0.05)
+    assert p.chosen.policy != "none" and p.chosen.peak_bytes <= 0.95 * none.peak_bytes
+
+
+def test_smaller_micro_batch_when_no_policy_fits_at_the_configured_one():
+    small = Stack("fp32", 2, 4, False)
+    cands = candidates((BASE, small))
+    budget = int(est(["full"] * N).peak_bytes * 0.97)
+    p = plan(cands, budget)
+    assert p.fits and p.chosen.stack == small and p.chosen.peak_bytes <= budget
+
+
+def test_precision_and_lora_are_fallbacks_only():
+    bf16 = Stack("bf16-true", 8, 1, False)
+    lora = Stack("fp32", 8, 1, True)
+    cands = candidates((BASE,)) + [est(a, stack=bf16, weights=GB, opt=2 * GB) for a in assignments(N)] + \
+        [est(a, stack=lora) for a in assignments(N)]
+    assert plan(cands, 100 * GB).chosen.stack == BASE
+    budget = est(["full"] * N).peak_bytes - 1
+    p = plan(cands, budget)
+    assert p.chosen.stack == bf16  # the precision fallback before LoRA
+    p = plan([c for c in cands if c.stack != bf16], budget)
+    assert p.chosen.stack == lora
+
+
+def test_nothing_fits_names_the_budget_the_leanest_stack_and_a_knob():
+    cands = candidates()
+    p = plan(cands, 7 * GB)  # weights + grads + AdamW alone are 8 GB
+    assert not p.fits and p.chosen is None
+    assert "memory.budget_gb" in p.error and "full" in p.error and "lora.enabled" in p.error
+    p = plan(cands, 1 * GB)  # below the weights themselves
+    assert "below the model's weights alone" in p.error and "memory.budget_gb" in p.error
+    d = p.to_dict()
+    assert d["fits"] is False and d["error"] and d["alternatives"]
+
+
+def test_fixed_policy_is_reported_even_when_it_does_not_fit():
+    full = est(["full"] * N)
+    p = plan([full], full.peak_bytes - 1, fixed_policy="full")
+    assert not p.fits and p.chosen is full and "memory.budget_gb" in p.error
+
+
+def test_device_profiles_and_unknown_devices():
+    assert get_profile("A100-80GB").memory_bytes > get_profile("a100-40gb").memory_bytes
+    assert get_profile("RTX 4090").name == "rtx-4090" and not get_profile("t4").bf16
+    assert {"a100-40gb", "a100-80gb", "h100-80gb", "h200", "l4", "rtx-4090", "t4", "cpu"} <= set(PROFILES)
+    assert 80e9 < get_profile("h100-80gb").usable_bytes < get_profile("h100-80gb").memory_bytes
+    with pytest.raises(ConfigError, match="--device.*tpu-v5"):
+        get_profile("tpu-v5")
+    with pytest.raises(ConfigError, match="memory.device"):
+        config.load(None, ["memory.device=tpu-v5"])
+    assert config.load(None, ["memory.device=H100-80GB"]).memory.device == "h100-80gb"
