@@ -96,8 +96,8 @@ def profile(
     config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
     steps: Annotated[int, typer.Option(min=2, help="Optimizer steps per policy; the last one is recorded.")] = 3,
     out: Annotated[Path | None, typer.Option(help="Output folder. Default: profile/ beside run.work_dir.")] = None,
-    compare: Annotated[str | None, typer.Option(help="Policies to compare on one chart, e.g. none,full,selective. "
-                                                "Default: the plan's policy alone.")] = None,
+    compare: Annotated[str | None, typer.Option(help="Policies to compare on one chart, e.g. none,full,selective; "
+                                                "auto: the planner's stack. Default: auto alone.")] = None,
     trace: Annotated[bool, typer.Option("--trace", help="Also a torch.profiler Chrome trace on CPU "
                                         "(always on CUDA, with the allocator's memory snapshot).")] = False,
     mlflow_run: Annotated[str | None, typer.Option(help="Log the profile to this MLflow run id, or 'new'.")] = None,

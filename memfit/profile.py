@@ -27,28 +27,41 @@ def default_out_dir(cfg: MemfitConfig) -> Path:
     return Path(cfg.run.work_dir).parent / "profile"
 
 
-def planned_policy(cfg: MemfitConfig) -> str:
-    """The policy `memfit run` would train with: memory.policy, or for `auto` the planner's choice."""
-    if cfg.memory.policy != "auto":
-        return cfg.memory.policy
+PLANNED = "auto"  # in --compare: the stack the planner picks, as `memfit run` would train it
+
+
+def planned_stack(cfg: MemfitConfig) -> Any:
+    """The PlanReport `memfit run` would train with: the probe, then the planner (or the fixed memory.policy)."""
     from memfit import pipeline
 
-    report = pipeline.probe(cfg)
-    return pipeline.setup_stack(cfg, report).policy
+    return pipeline.setup_stack(cfg, pipeline.probe(cfg))
+
+
+def fixed_stack(cfg: MemfitConfig, name: str) -> Any:
+    """A PlanReport for one named policy at the config's own precision, micro-batch and LoRA setting."""
+    from memfit.memory.policies import make_policy
+    from memfit.reports import PlanReport
+
+    policy = make_policy(name, every_k=cfg.memory.every_k, save_ops=cfg.memory.selective_save_ops,
+                         block_class=cfg.memory.block_class)
+    return PlanReport(policy=name, every_k=cfg.memory.every_k, precision=cfg.train.precision,
+                      micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
+                      reason="memfit profile --compare", description=policy.describe(),
+                      lora=cfg.lora.enabled is True)
 
 
 def profile(cfg: MemfitConfig, out_dir: str | Path | None = None, steps: int = 3, compare: list[str] | None = None,
             trace: bool = False, mlflow_run: str | None = None) -> dict[str, Any]:
-    """Profile each policy (the plan's when `compare` is empty) and write profile.json, modules.md, PNGs.
+    """Profile each policy (the planned stack when `compare` is empty) and write profile.json, modules.md, PNGs.
 
-    Every policy trains `steps` real optimizer steps (the config's micro-batch, accumulation and precision,
-    through the same Trainer as `memfit run`) from the same weights; the last step is recorded. On CUDA
-    (or with `trace`) one more step runs under torch.profiler, and on CUDA under the allocator's history.
+    Every stack trains `steps` real optimizer steps (micro-batch, accumulation, precision and LoRA as planned,
+    through the same model building and Trainer as `memfit run`) from the same weights; the last step is
+    recorded. On CUDA (or with `trace`) one more step runs under torch.profiler, and on CUDA under the
+    allocator's history. `auto` in `compare` stands for the planner's choice.
     """
     from memfit import pipeline
     from memfit.datacache import cached_data
     from memfit.env import pin_threads, resolve_device
-    from memfit.memory.policies import make_policy
 
     if steps < 2:
         raise ConfigError(f"--steps {steps}: need at least 2 (one to create the optimizer state, one to record)")
@@ -57,9 +70,11 @@ def profile(cfg: MemfitConfig, out_dir: str | Path | None = None, steps: int = 3
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"--out {out}: cannot create the folder ({err.strerror or err})") from None
-    names = list(dict.fromkeys(compare or [planned_policy(cfg)]))
-    for name in names:  # unknown names fail before any model is built
-        make_policy(name, every_k=cfg.memory.every_k, save_ops=cfg.memory.selective_save_ops)
+    names = list(dict.fromkeys(compare or [PLANNED]))
+    # Unknown names fail before any model is built; the planner runs once, first.
+    plans = {n: fixed_stack(cfg, n) for n in names if n != PLANNED}
+    if PLANNED in names:
+        plans[PLANNED] = planned_stack(cfg)
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
     inputs = pipeline.load_inputs(cfg)
@@ -74,9 +89,10 @@ def profile(cfg: MemfitConfig, out_dir: str | Path | None = None, steps: int = 3
     summaries: dict[str, dict[str, Any]] = {}
     files: dict[str, str] = {}
     for name in names:
-        log.info("profiling policy %s: %d steps on %s", name, steps, device)
-        summaries[name], extra = _profile_policy(cfg, inputs.model, data, device, name, steps, out,
-                                                 trace=trace or cuda, cuda_history=cuda)
+        plan = plans[name]
+        log.info("profiling %s (%s): %d steps on %s", name, plan.description, steps, device)
+        summaries[name], extra = _profile_stack(cfg, inputs.model, data, device, name, plan, steps, out,
+                                                trace=trace or cuda, cuda_history=cuda)
         files.update(extra)
     subtitle = (f"{workload['model_source']} ({workload['n_params'] / 1e6:.3g} M parameters), micro-batch "
                 f"{workload['micro_batch_size']} x {workload['seq_len']} tokens x {workload['grad_accum_steps']} "
@@ -89,23 +105,22 @@ def profile(cfg: MemfitConfig, out_dir: str | Path | None = None, steps: int = 3
     return result
 
 
-def _profile_policy(cfg: MemfitConfig, base_model: torch.nn.Module, data: Any, device: torch.device, name: str,
-                    steps: int, out: Path, trace: bool, cuda_history: bool) -> tuple[dict[str, Any], dict[str, str]]:
+def _profile_stack(cfg: MemfitConfig, base_model: torch.nn.Module, data: Any, device: torch.device, name: str,
+                   plan: Any, steps: int, out: Path, trace: bool, cuda_history: bool
+                   ) -> tuple[dict[str, Any], dict[str, str]]:
+    from memfit import pipeline
     from memfit.memory.breakdown import summarize
-    from memfit.memory.policies import apply_policy, make_policy
     from memfit.memory.timeline import StepTimeline
     from memfit.tracking.null import NullTracker
     from memfit.train import Trainer
 
-    policy = make_policy(name, every_k=cfg.memory.every_k, save_ops=cfg.memory.selective_save_ops)
-    model = copy.deepcopy(base_model)
-    trainer = Trainer(cfg=cfg, model=model, data=data, device=device, tracker=NullTracker(), checkpoints=None,
-                      identity={})
-    apply_policy(model, policy)  # after the Trainer put the model on its device (offload needs it there)
+    model = pipeline.build_training_model(cfg, copy.deepcopy(base_model), plan)
+    trainer = Trainer(cfg=pipeline.planned_config(cfg, plan), model=model, data=data, device=device,
+                      tracker=NullTracker(), checkpoints=None, identity={})
     model.train()
     seconds = [_timed_step(trainer, device) for _ in range(steps - 1)]
     tl = StepTimeline(model, device)
-    tl.adopt(list(model.parameters()), "parameter")
+    tl.adopt([p for p in model.parameters()], "parameter")
     tl.adopt(list(model.buffers()), "buffer")
     tl.adopt([p.grad for p in model.parameters() if p.grad is not None], "gradient")
     tl.adopt([v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)],
@@ -115,7 +130,9 @@ def _profile_policy(cfg: MemfitConfig, base_model: torch.nn.Module, data: Any, d
     tl.classify()
     summary = summarize(tl, model, trainer.optimizer)
     # The first step builds the optimizer state and warms caches: time the later ones.
-    summary.update(policy=name, description=policy.describe(),
+    summary.update(policy=plan.policy, description=plan.description, block_kinds=plan.block_kinds,
+                   lora=plan.lora, precision=plan.precision, micro_batch_size=plan.micro_batch_size,
+                   grad_accum_steps=plan.grad_accum_steps, predicted_peak_bytes=plan.predicted_peak_bytes,
                    step_seconds=statistics.median(seconds[1:] or seconds))
     files: dict[str, str] = {}
     if cuda_history:

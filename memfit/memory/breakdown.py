@@ -172,6 +172,8 @@ def markdown(name: str, description: str, summary: dict[str, Any]) -> str:
     peak = f"- peak: **{s['peak_bytes'] / MB:.2f} MB**"
     if s.get("peak_at"):
         peak += f" ({s['peak_at']['phase']}, `{s['peak_at']['op']}` in `{s['peak_at']['module']}`)"
+    if s.get("predicted_peak_bytes"):
+        peak += f"; the planner predicted {s['predicted_peak_bytes'] / MB:.2f} MB"
     lines = [f"## policy `{name}`", "", description, "", peak,
              (f"- peak activation memory (saved + recomputed): **{s['peak_activation_bytes'] / MB:.2f} MB**; "
               f"activations alive after the first forward: {s['activation_bytes_after_forward'] / MB:.2f} MB"),

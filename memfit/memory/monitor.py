@@ -138,6 +138,14 @@ class MemoryMonitor:
     def for_run(cls, cfg: Any, device: torch.device, tracker: Any, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> MemoryMonitor:
         budget = resolve_budget(cfg.memory.budget_gb, device, cfg.monitor.track_tensors)
+        if cfg.memory.budget_gb is None and cfg.memory.device:
+            # Planned for another device (memory.device): watch against that device's usable memory too.
+            from memfit.memory.search import target_profile
+
+            target = target_profile(cfg.memory)
+            budget = Budget(int(target.usable_bytes), f"usable memory of a {target.name} (memory.device)",
+                            "allocated_peak" if device.type == "cuda" else
+                            ("tensor_peak" if cfg.monitor.track_tensors else "rss_delta"))
         return cls(cfg.monitor, budget, device, tracker, model, optimizer, cfg.run.name)
 
     # -- the per-step hook -----------------------------------------------------------------------------

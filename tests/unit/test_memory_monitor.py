@@ -134,3 +134,14 @@ def test_monitor_config_limits():
         load(None, ["monitor.warn_fraction=1.5"])
     with pytest.raises(ConfigError, match="monitor.every_steps"):
         load(None, ["monitor.every_steps=0"])
+
+
+def test_a_run_planned_for_another_device_is_watched_against_that_device():
+    from memfit.config import load
+    from memfit.memory.search import target_profile
+
+    cfg = load(None, ["memory.device=t4"])
+    model = nn.Linear(4, 4)
+    mon = MemoryMonitor.for_run(cfg, torch.device("cpu"), Recorder(), model, torch.optim.AdamW(model.parameters()))
+    assert mon.budget.bytes == target_profile(cfg.memory).usable_bytes and "t4" in mon.budget.source.lower()
+    assert mon.budget.measure == "tensor_peak"
