@@ -42,8 +42,11 @@ def fixed_stack(cfg: MemfitConfig, name: str) -> Any:
     from memfit.memory.policies import make_policy
     from memfit.reports import PlanReport
 
-    policy = make_policy(name, every_k=cfg.memory.every_k, save_ops=cfg.memory.selective_save_ops,
-                         block_class=cfg.memory.block_class)
+    try:
+        policy = make_policy(name, every_k=cfg.memory.every_k, save_ops=cfg.memory.selective_save_ops,
+                             block_class=cfg.memory.block_class)
+    except ConfigError as err:
+        raise ConfigError(f"--compare {name}: {err}".replace("choose one of auto, ", "choose from auto, ")) from None
     return PlanReport(policy=name, every_k=cfg.memory.every_k, precision=cfg.train.precision,
                       micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
                       reason="memfit profile --compare", description=policy.describe(),

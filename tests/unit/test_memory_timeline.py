@@ -106,3 +106,15 @@ def test_module_rows_put_blocks_of_a_layer_stack_in_one_row():
     rows = module_rows(Toy())
     assert rows["layers.2.up"] == "layers.2" and rows["layers.0"] == "layers.0"
     assert rows["embed"] == "embed" and rows["head"] == "head" and rows[""] == TOP_LEVEL
+
+
+def test_profile_names_a_bad_compare_entry_and_steps(tmp_path):
+    from memfit.config import load
+    from memfit.errors import ConfigError
+    from memfit.profile import profile
+
+    cfg = load(None, [f"run.work_dir={tmp_path / 'work'}"])
+    with pytest.raises(ConfigError, match="--compare bogus: .*unknown policy"):
+        profile(cfg, out_dir=tmp_path / "out", compare=["none", "bogus"])
+    with pytest.raises(ConfigError, match="--steps 1"):
+        profile(cfg, out_dir=tmp_path / "out", steps=1)
