@@ -95,6 +95,36 @@ def probe(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = Fals
 
 
 @app.command()
+def profile(
+    config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
+    steps: Annotated[int, typer.Option(min=2, help="Optimizer steps per policy; the last one is recorded.")] = 3,
+    out: Annotated[Path | None, typer.Option(help="Output folder. Default: profile/ beside run.work_dir.")] = None,
+    compare: Annotated[str | None, typer.Option(help="Policies to compare on one chart, e.g. none,full,selective; "
+                                                "auto: the planner's stack. Default: auto alone.")] = None,
+    trace: Annotated[bool, typer.Option("--trace", help="Also a torch.profiler Chrome trace on CPU "
+                                        "(always on CUDA, with the allocator's memory snapshot).")] = False,
+    mlflow_run: Annotated[str | None, typer.Option(help="Log the profile to this MLflow run id, or 'new'.")] = None,
+) -> None:
+    """Memory over one training step: per-module table (Markdown, JSON), timeline PNGs, policy comparison."""
+    _environment()
+    try:
+        cfg = _load(config, set_)
+        from memfit.profile import profile as run_profile
+
+        names = [n.strip() for n in compare.split(",") if n.strip()] if compare else None
+        result = run_profile(cfg, out_dir=out, steps=steps, compare=names, trace=trace, mlflow_run=mlflow_run)
+    except MemfitError as err:
+        _fail(err)
+    if as_json:
+        typer.echo(json.dumps(result, sort_keys=True))
+        return
+    for name, s in result["policies"].items():
+        typer.echo(f"{name:>10}: peak {s['peak_bytes'] / 1e6:9.2f} MB, activations {s['peak_activation_bytes'] / 1e6:9.2f} MB"
+                   f" peak, {s['step_seconds']:.3f} s/step")
+    typer.echo(f"wrote {', '.join(Path(f).name for f in result['files'].values())} to {result['out_dir']}")
+
+
+@app.command()
 def serve(config: ConfigArg = None, set_: SetOpt = None,
           limit: Annotated[int | None, typer.Option(help="Most flow runs executed at once by this process.")] = None
           ) -> None:

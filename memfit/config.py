@@ -172,6 +172,20 @@ class SpotWatcherConfig(_Section):
             raise ValueError("must be an http:// or https:// URL, e.g. http://169.254.169.254/latest/")
         return v
 
+class MonitorConfig(_Section):
+    """Memory readings while training, a warning before the limit, and an optional clean stop at it."""
+
+    enabled: bool = Field(True, description="Record memory (MLflow metrics memory/*, the progress line) and warn.")
+    every_steps: int = Field(10, ge=1, description="Read memory at the first step and every N optimizer steps.")
+    warn_fraction: float = Field(0.9, gt=0.0, le=1.0, description="Warn once (log, MLflow tag, Prefect event) when "
+                                 "the peak passes this fraction of the budget (memory.budget_gb, else the "
+                                 "device's memory).")
+    stop_at_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, description="Stop cleanly with a training checkpoint (exit code 76) when the peak "
+        "passes this fraction of the budget; unset: never stop.")
+    track_tensors: bool = Field(True, description="CPU: count live tensor bytes on the steps read (the figure the "
+                                "probe reports, compared with memory.budget_gb); off: RSS growth since the start.")
+
 
 class CheckpointConfig(_Section):
     uri: str = Field("runs/checkpoints", description="Where training checkpoints go: a local folder "
@@ -366,6 +380,7 @@ class MemfitConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)

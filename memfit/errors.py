@@ -47,3 +47,9 @@ class Preempted(MemfitError):
 
 class DistributedError(MemfitError):
     """A multi-process training run failed: a rank crashed, or torchrun could not start the ranks."""
+
+
+class MemoryLimitError(MemfitError):
+    """Training stopped at the memory limit (monitor.stop_at_fraction), or ran out of memory."""
+
+    exit_code = 76  # distinct from a preemption (75): rerunning unchanged would hit the same limit

@@ -22,7 +22,7 @@ from memfit.config import MemfitConfig
 from memfit.data import DataBundle, load_texts, data_digest
 from memfit.datacache import cached_data
 from memfit.env import environment_report, pin_threads, resolve_device
-from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryBudgetError, Preempted
+from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryBudgetError, MemoryLimitError, Preempted
 from memfit.memory.policies import apply_policy, make_policy
 from memfit.memory.probe import explain_oom, measure_step, verdict
 from memfit.memory.search import estimate_policy, plan_for, plan_table_markdown, resolve_budget, target_profile
@@ -299,6 +299,9 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
         raise
     finally:
         manager.close()
+    if trainer.monitor.stop_requested and result.steps < cfg.train.max_steps:
+        tracker.end_run("KILLED")
+        raise MemoryLimitError(f"{trainer.monitor.stop_message} (training checkpoint {result.last_checkpoint_uri})")
     if result.preempted:
         took = stop.seconds_since_request() or 0.0
         grace = cfg.checkpoint.grace_seconds

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from memfit.checkpointing import CheckpointManager, LoadedCheckpoint, Snapshot, take_snapshot
 from memfit.config import MemfitConfig
 from memfit.data import BatchOrder, DataBundle
+from memfit.memory.monitor import MemoryMonitor
 from memfit.memory.probe import autocast_context
 from memfit.schedule import capture_rng, lr_factor, restore_rng, seed_everything
 from memfit.tracking.base import Tracker
@@ -69,6 +70,7 @@ class Trainer:
         self.tokens_seen = 0
         self.initial_val_loss: float | None = None
         self.resumed_from: int | None = None
+        self.monitor = MemoryMonitor.for_run(cfg, device, tracker, model, self.optimizer)
         seed_everything(t.seed)
 
     # -- state --------------------------------------------------------------------------------------
@@ -191,7 +193,8 @@ class Trainer:
             while self.step < t.max_steps:
                 t0 = time.perf_counter()
                 self.model.train()
-                last_loss, grad_norm = self._optimizer_step()
+                with self.monitor.watch(self.step + 1):
+                    last_loss, grad_norm = self._optimizer_step()
                 dt = time.perf_counter() - t0
                 run_tokens += tokens_per_step
                 if self.step % t.log_every_steps == 0 or self.step == t.max_steps:
@@ -203,10 +206,13 @@ class Trainer:
                         "memory_peak_bytes": peak, "memory_current_bytes": current,
                     }, step=self.step)
                 bar.update(1)
-                bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
+                                **self.monitor.postfix)
                 # A background save that failed fails the run here, not `every_steps` later.
                 self.checkpoints.raise_if_failed()
                 self._log_committed()
+                if self.monitor.stop_requested:
+                    break  # saved below like a preemption; the pipeline turns it into MemoryLimitError
                 if stop is not None and stop.is_set():
                     preempted = True
                     break

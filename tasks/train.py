@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
 from memfit import pipeline
 from memfit.config import MemfitConfig
+from memfit.memory.monitor import event_sink
 from memfit.reports import PlanReport, ProbeReport, ResumePoint, TrainReport
 from tasks.slots import ensure_training_slots
+
+
+def emit_memory_event(event: dict[str, Any]) -> None:
+    """A memory warning or limit from the monitor as a Prefect event an automation can trigger on.
+
+    Event names: memfit.memory.warning, memfit.memory.limit; the resource is the memfit run, related to
+    the flow run and task run it happened in; the payload holds the figures.
+    """
+    from prefect import runtime
+    from prefect.events import emit_event
+
+    related = []
+    if runtime.flow_run.id:
+        related.append({"prefect.resource.id": f"prefect.flow-run.{runtime.flow_run.id}",
+                        "prefect.resource.role": "flow-run", "prefect.resource.name": str(runtime.flow_run.name)})
+    if runtime.task_run.id:
+        related.append({"prefect.resource.id": f"prefect.task-run.{runtime.task_run.id}",
+                        "prefect.resource.role": "task-run"})
+    emit_event(event=event["event"],
+               resource={"prefect.resource.id": f"memfit.run.{event['run_name']}",
+                         "prefect.resource.name": str(event["run_name"]),
+                         "memfit.mlflow-run-id": str(event.get("mlflow_run_id") or "")},
+               related=related, payload=event)
 
 
 # No retries here: a retry would restart from the resume point computed before this attempt;
@@ -22,5 +48,5 @@ def train_task(config: MemfitConfig, plan: PlanReport, resume: ResumePoint, prob
     # Held for the whole of training: a second run on this machine waits instead of sharing the GPU.
     # A short lease (renewed in the background while training runs): after a SIGKILL (spot reclaim past
     # the grace) the dead run's slot frees in about a minute, not Prefect's default 5, so the rerun resumes.
-    with concurrency(config.deploy.concurrency_key, occupy=1, lease_duration=60):
+    with concurrency(config.deploy.concurrency_key, occupy=1, lease_duration=60), event_sink(emit_memory_event):
         return pipeline.train(config, plan, resume, probe)
