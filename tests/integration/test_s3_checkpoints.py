@@ -163,6 +163,19 @@ def _at_step(monkeypatch, at: int, action) -> None:
     monkeypatch.setattr(NullTracker, "log_metrics", hook)
 
 
+def _committed(s3_client, bucket: str, prefix: str, step: int, timeout: float = 30.0) -> None:
+    """Wait (on the direct moto endpoint) until `step`'s manifest exists: the outage must hit the step-4 save,
+    not a step-2 upload still in flight on a slow machine."""
+    key = f"{prefix}/step-{step:08d}/manifest.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = s3_client.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount", 0)
+        if listed:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{key} never appeared")
+
+
 @pytest.fixture(scope="module")
 def shared_work(tmp_path_factory) -> Path:
     """One run.work_dir for the training tests here: the preset model and tokenizer are built once."""
@@ -178,7 +191,7 @@ def small(tiny_config, shared_work):
     return make
 
 
-def test_training_rides_out_an_s3_outage(proxy, s3_bucket, small, tmp_path, monkeypatch, caplog):
+def test_training_rides_out_an_s3_outage(proxy, s3_bucket, s3_client, small, tmp_path, monkeypatch, caplog):
     _endpoint, bucket = s3_bucket
     # botocore's own retries give up fast here, so memfit's save-level retries (0.5+1+2+4 s) ride it out.
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
@@ -186,6 +199,7 @@ def test_training_rides_out_an_s3_outage(proxy, s3_bucket, small, tmp_path, monk
                    "checkpoint.retry_backoff_seconds": 0.5})
 
     def outage():
+        _committed(s3_client, bucket, "outage", 2)
         proxy.set_mode("down")
         threading.Timer(2.5, proxy.set_mode, args=("pass",)).start()
 
@@ -202,11 +216,15 @@ def test_training_rides_out_an_s3_outage(proxy, s3_bucket, small, tmp_path, monk
     assert result.checkpoint_stats["saves"] == 4 and result.checkpoint_stats["skipped"] == 0
 
 
-def test_training_fails_loudly_when_s3_stays_down(proxy, s3_bucket, small, tmp_path, monkeypatch):
+def test_training_fails_loudly_when_s3_stays_down(proxy, s3_bucket, s3_client, small, tmp_path, monkeypatch):
     _endpoint, bucket = s3_bucket
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
     cfg = small(**{"checkpoint.uri": f"s3://{bucket}/stays-down", "checkpoint.upload_attempts": 1})
-    _at_step(monkeypatch, 4, lambda: proxy.set_mode("down"))
+    def outage():
+        _committed(s3_client, bucket, "stays-down", 2)
+        proxy.set_mode("down")
+
+    _at_step(monkeypatch, 4, outage)
     with pytest.raises(CheckpointError, match="step 4 could not be saved") as info:
         _train(cfg)
     assert "cannot reach" in str(info.value)
