@@ -189,6 +189,10 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
         from memfit.memory.search import plan_report, plan_table_markdown
 
         result, out = plan_report(cfg, device, budget_gb)
+        if cfg.distributed.world_size > 1:
+            from memfit.memory.search import per_gpu_report
+
+            out["distributed"] = per_gpu_report(cfg, device, budget_gb)
     except MemfitError as err:
         _fail(err)
     if as_json:
@@ -196,9 +200,18 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
     else:
         typer.echo(result.reason)
         typer.echo(plan_table_markdown(result))
-    if not out["fits"]:
+        if "distributed" in out and "strategies" in out["distributed"]:
+            from memfit.memory.sharding import format_table
+
+            d = out["distributed"]
+            typer.echo(f"\nper GPU on {d['world_size']} ranks: {d['strategy']} ({d['reason']})")
+            typer.echo(format_table(list(d["strategies"].values())))
+    # Several ranks: what must fit is one GPU's share under the strategy, not a single-process replica.
+    fits = out["distributed"].get("fits", False) if "distributed" in out else out["fits"]
+    if not fits:
         if not as_json:
-            typer.echo(f"error: {out['error']}", err=True)
+            typer.echo(f"error: {out['distributed'].get('error') or 'the per-GPU share does not fit the budget'}"
+                       if "distributed" in out else f"error: {out['error']}", err=True)
         raise typer.Exit(2)
 
 

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from memfit.checkpointing import sha256_file
 from memfit.config import MemfitConfig
 from memfit.data import SUPPORTED_SUFFIXES
 from memfit.errors import ConfigError, DataError
@@ -38,14 +39,6 @@ def newest_data(data_uri: str, dest: Path) -> tuple[str, Path]:
     return key, local
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def gather(cfg: MemfitConfig, data_uri: str | None) -> RetrainInputs:
     """The newest data and the champion's SafeTensors folder (None: no champion yet, start from the base)."""
     uri = data_uri or cfg.deploy.retrain_data_uri
@@ -69,7 +62,7 @@ def gather(cfg: MemfitConfig, data_uri: str | None) -> RetrainInputs:
                                               cfg.registry.alias))
     log.info("retraining on %s (newest under %s) from %s", key, uri,
              f"champion v{champion_version}" if champion_version else "the base model")
-    return RetrainInputs(data_key=key, data_path=str(local), data_sha256=_sha256(local),
+    return RetrainInputs(data_key=key, data_path=str(local), data_sha256=sha256_file(local),
                          champion_version=champion_version, champion_dir=champion_dir)
 
 

@@ -211,3 +211,34 @@ def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = N
     out = plan.to_dict()
     out["device"] = profile.name
     return plan, out
+
+
+def per_gpu_report(cfg: Any, device: str | None = None, budget_gb: float | None = None) -> dict[str, Any]:
+    """`memfit plan` with several ranks: one rank's step estimated at its share of the batch, then the
+    training state divided as each strategy shards it (memfit/memory/sharding.py)."""
+    from memfit.memory.sharding import STRATEGIES, choose_strategy, per_rank_bytes
+
+    world = cfg.distributed.world_size
+    # One rank runs the single-process step on its slice of every global batch.
+    rank_train = cfg.train.model_copy(update={"batch_size": cfg.train.batch_size // world})
+    rank_cfg = cfg.model_copy(update={"train": rank_train})
+    plan, out = plan_report(rank_cfg, device, budget_gb)
+    if plan.chosen is None:
+        return {"world_size": world, "error": out.get("error")}
+    row = plan.row(plan.chosen)
+    b = row["breakdown"]
+    n_blocks = max(1, len(plan.chosen.kinds))
+    # `other` is mostly gradient-sized scratch (backward buffers, AdamW's foreach copy): it shards with the
+    # gradients. Activations: what the forward leaves alive for backward on this rank's micro-batch.
+    parts = (int(b["params"]), int(b["grads"]) + int(b["other"]), int(b["optimizer"]),
+             int(row["predicted_activation_bytes"]))
+    block = parts[0] // n_blocks  # the largest block is about the average one in a decoder stack
+    rows = {s: per_rank_bytes(*parts, s, world, block_bytes=block) for s in STRATEGIES if s != "single"}
+    if cfg.distributed.strategy == "auto":
+        strategy, why, _ = choose_strategy(*parts, world, plan.budget_bytes, block_bytes=block)
+    else:
+        strategy, why = cfg.distributed.strategy, f"distributed.strategy={cfg.distributed.strategy} set in the config"
+    chosen = rows[strategy]
+    return {"world_size": world, "strategy": strategy, "reason": why, "per_gpu_bytes": chosen["total"],
+            "fits": plan.budget_bytes is None or chosen["total"] <= plan.budget_bytes,
+            "budget_bytes": plan.budget_bytes, "per_rank_plan": row, "strategies": rows}
