@@ -118,7 +118,7 @@ def test_checkpoint_s3_and_spot_settings():
     with pytest.raises(ConfigError, match="checkpoint.on_busy"):
         config.load(None, ["checkpoint.on_busy=sometimes"])
     with pytest.raises(ConfigError, match="checkpoint.spot.metadata_url"):
-        config.load(None, ["checkpoint.spot.metadata_url=169.254.169.254"])
+        config.load(None, ["checkpoint.spot.metadata_url=metadata.internal/latest"])
 
 
 def test_credentials_in_the_endpoint_url_are_refused_without_echo():

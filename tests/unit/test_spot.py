@@ -1,4 +1,4 @@
-"""The spot watcher against a fake metadata service on 127.0.0.1 (never the real 169.254.169.254)."""
+"""The spot watcher against a fake metadata service on 127.0.0.1 (never the real cloud metadata address)."""
 
 from __future__ import annotations
 
