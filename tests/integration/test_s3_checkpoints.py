@@ -163,9 +163,9 @@ def _at_step(monkeypatch, at: int, action) -> None:
     monkeypatch.setattr(NullTracker, "log_metrics", hook)
 
 
-def _committed(s3_client, bucket: str, prefix: str, step: int, timeout: float = 30.0) -> None:
+def _committed(s3_client, bucket: str, prefix: str, step: int, timeout: float = 150.0) -> None:
     """Wait (on the direct moto endpoint) until `step`'s manifest exists: the outage must hit the step-4 save,
-    not a step-2 upload still in flight on a slow machine."""
+    not a step-2 upload still in flight on a slow machine (seen taking 60 s under load)."""
     key = f"{prefix}/step-{step:08d}/manifest.json"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
