@@ -163,18 +163,18 @@ def _at_step(monkeypatch, at: int, action) -> None:
     monkeypatch.setattr(NullTracker, "log_metrics", hook)
 
 
-def _committed(s3_client, bucket: str, prefix: str, step: int, timeout: float = 150.0) -> None:
-    """Wait (on the direct moto endpoint) until `step`'s manifest exists: the outage must hit the step-4 save,
-    not a step-2 upload still in flight on a slow machine (seen taking 60 s under load)."""
-    key = f"{prefix}/step-{step:08d}/manifest.json"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        listed = s3_client.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount", 0)
-        if listed:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{key} never appeared")
 
+def _when_saving(monkeypatch, step: int, action) -> None:
+    """Run `action` as the background writer starts uploading `step`: the fault hits that save, whatever
+    earlier uploads are still doing on a slow machine."""
+    original = CheckpointManager._save_now
+
+    def hooked(self, snap, *args, **kwargs):
+        if snap.step == step:
+            action()
+        return original(self, snap, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "_save_now", hooked)
 
 @pytest.fixture(scope="module")
 def shared_work(tmp_path_factory) -> Path:
@@ -199,11 +199,10 @@ def test_training_rides_out_an_s3_outage(proxy, s3_bucket, s3_client, small, tmp
                    "checkpoint.retry_backoff_seconds": 0.5})
 
     def outage():
-        _committed(s3_client, bucket, "outage", 2)
         proxy.set_mode("down")
         threading.Timer(2.5, proxy.set_mode, args=("pass",)).start()
 
-    _at_step(monkeypatch, 4, outage)  # metrics are logged just before the step-4 save starts
+    _when_saving(monkeypatch, 4, outage)
     with caplog.at_level(logging.INFO, logger="memfit.checkpointing"):
         result = _train(cfg)
     assert result.steps == 8
@@ -220,11 +219,7 @@ def test_training_fails_loudly_when_s3_stays_down(proxy, s3_bucket, s3_client, s
     _endpoint, bucket = s3_bucket
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
     cfg = small(**{"checkpoint.uri": f"s3://{bucket}/stays-down", "checkpoint.upload_attempts": 1})
-    def outage():
-        _committed(s3_client, bucket, "stays-down", 2)
-        proxy.set_mode("down")
-
-    _at_step(monkeypatch, 4, outage)
+    _when_saving(monkeypatch, 4, lambda: proxy.set_mode("down"))
     with pytest.raises(CheckpointError, match="step 4 could not be saved") as info:
         _train(cfg)
     assert "cannot reach" in str(info.value)
