@@ -22,7 +22,7 @@ os.environ.update({
 })
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
-# A developer shell or pod with the spot watcher on must not make tests poll 169.254.169.254.
+# A developer shell or pod with the spot watcher on must not make tests poll the cloud metadata service.
 for _name in ("MEMFIT_SPOT_WATCHER", "MEMFIT_SPOT_METADATA_URL", "MEMFIT_TEST_UPLOAD_DELAY"):
     os.environ.pop(_name, None)
 

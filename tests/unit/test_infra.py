@@ -25,6 +25,8 @@ from typing import Any
 import pytest
 import yaml
 
+from memfit.spot import DEFAULT_METADATA_URL
+
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -449,7 +451,7 @@ def test_work_pool_template_shape(work_pool: dict[str, Any]) -> None:
 
     env = job["env"]
     assert props[_variable_of(env["MEMFIT_SPOT_WATCHER"])]["default"] == "true"
-    assert props[_variable_of(env["MEMFIT_SPOT_METADATA_URL"])]["default"].startswith("http://169.254.169.254/")
+    assert props[_variable_of(env["MEMFIT_SPOT_METADATA_URL"])]["default"] == DEFAULT_METADATA_URL
     for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL_S3"):
         assert key in env, key
 

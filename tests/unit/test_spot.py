@@ -124,7 +124,7 @@ def test_settings_from_environment():
     with pytest.raises(ConfigError, match="MEMFIT_SPOT_WATCHER"):
         resolve_settings(SpotWatcherConfig(), environ={"MEMFIT_SPOT_WATCHER": "sometimes"})
     with pytest.raises(ConfigError, match="MEMFIT_SPOT_METADATA_URL"):
-        resolve_settings(SpotWatcherConfig(), environ={"MEMFIT_SPOT_METADATA_URL": "169.254.169.254"})
+        resolve_settings(SpotWatcherConfig(), environ={"MEMFIT_SPOT_METADATA_URL": "metadata.internal/latest"})
 
 
 def test_disabled_watcher_starts_nothing():
