@@ -31,14 +31,15 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/memfit run $(CONFIG)
 
-test: $(STAMP)
+# Lint first (under a second): style slips fail CI like a failing test.
+test: lint
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "unit"
 
 lint: $(STAMP)
-	$(BIN)/ruff check memfit flows tasks tests
+	$(BIN)/ruff check memfit flows tasks tests bench
 
 clean:
 	rm -rf runs mlflow.db .pytest_cache

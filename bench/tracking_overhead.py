@@ -73,7 +73,7 @@ def run_mode(root: Path, mode: str, steps: int) -> dict[str, float]:
         for cls, fn in originals.items():
             cls.log_metrics = fn
         MLflowTracker._submit = original_submit
-    periods = [b - a for a, b in zip(stamps, stamps[1:])]
+    periods = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     steady = periods[5:]  # the first steps include allocator warm-up
     return {"median_step_s": statistics.median(steady), "mean_step_s": statistics.fmean(steady), "wall_s": wall,
             **own}

@@ -19,7 +19,8 @@ checkpoints_app = typer.Typer(no_args_is_help=True, help="Training checkpoints (
 app.add_typer(checkpoints_app, name="checkpoints")
 
 ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config (a diff from defaults), e.g. configs/tiny.yaml.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: --set train.max_steps=10 (repeatable).")]
+SetOpt = Annotated[list[str] | None,
+                   typer.Option("--set", help="Override a field: --set train.max_steps=10 (repeatable).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object, last, on stdout.")]
 
 
@@ -119,7 +120,8 @@ def profile(
         typer.echo(json.dumps(result, sort_keys=True))
         return
     for name, s in result["policies"].items():
-        typer.echo(f"{name:>10}: peak {s['peak_bytes'] / 1e6:9.2f} MB, activations {s['peak_activation_bytes'] / 1e6:9.2f} MB"
+        typer.echo(f"{name:>10}: peak {s['peak_bytes'] / 1e6:9.2f} MB, "
+                   f"activations {s['peak_activation_bytes'] / 1e6:9.2f} MB"
                    f" peak, {s['step_seconds']:.3f} s/step")
     typer.echo(f"wrote {', '.join(Path(f).name for f in result['files'].values())} to {result['out_dir']}")
 
@@ -375,7 +377,8 @@ def export_cmd(
     except MemfitError as err:
         _fail(err)
     lines = [f"exported step {report['step']} of {report['checkpoint']}",
-             f"SafeTensors: {report['safetensors_dir']} (reloaded, max |diff| {report['safetensors_max_abs_diff']:.2e})"]
+             f"SafeTensors: {report['safetensors_dir']} "
+             f"(reloaded, max |diff| {report['safetensors_max_abs_diff']:.2e})"]
     if report["onnx_path"]:
         shapes = ", ".join(f"{p['batch']}x{p['seq']}" for p in report["onnx_parity"])
         lines.append(f"ONNX: {report['onnx_path']} (opset {report['onnx_opset']}); parity max |onnxruntime - "

@@ -20,8 +20,8 @@ SUPPORTED_SUFFIXES = (".txt", ".jsonl")
 
 # Small closed vocabularies: a tiny model picks up the templates and the number/letter
 # sequences within a few dozen steps, so a falling validation loss is visible in a short run.
-_NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
-                 "fourteen fifteen sixteen seventeen eighteen nineteen twenty").split()
+_NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+                 "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty"]
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 _COLORS = ("red", "blue", "green", "yellow", "black", "white")
 _ANIMALS = ("cat", "dog", "fox", "bird", "horse", "fish")
@@ -104,7 +104,7 @@ def _load_group(suffix: str, files: list[Path], text_field: str, where: Path, ca
     try:
         ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train",
                                    cache_dir=cache_dir, **kwargs)
-    except Exception as err:  # the builders raise many types (ArrowInvalid, DatasetGenerationError, ...)
+    except Exception as err:  # noqa: BLE001 - the builders raise many types (ArrowInvalid, DatasetGenerationError, ...)
         # DatasetGenerationError wraps the useful message (e.g. the JSON parse error): use the root cause.
         root: BaseException = err
         while root.__cause__ is not None:

@@ -225,7 +225,7 @@ def export_safetensors(
         manifest = {
             "memfit_version": memfit.__version__,
             "format": "safetensors",
-            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "max_abs_diff": diff,
             "atol": atol,
             "metadata": metadata or {},
@@ -382,7 +382,7 @@ def export_onnx(
         meta_doc = {
             "memfit_version": memfit.__version__,
             "format": "onnx",
-            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "opset": int(opset_found),
             "inputs": ["input_ids"], "outputs": ["logits"], "dynamic_axes": ["batch", "sequence"],
             "max_abs_diff": diff,

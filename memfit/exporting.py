@@ -162,7 +162,7 @@ def upload_export(files: ExportFiles, uri: str, metadata: dict[str, Any] | None 
         store.put_file(path, key)
         manifest_files[key] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     manifest = {"format": EXPORT_FORMAT, "memfit_version": memfit.__version__,
-                "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
                 "onnx_max_abs_diff": files.onnx_max_abs_diff, "metadata": metadata or {}, "files": manifest_files}
     store.put_bytes(EXPORT_MANIFEST, json.dumps(manifest, indent=2, default=str).encode())
     log.info("export uploaded to %s (%d files, manifest last)", store.uri, len(manifest_files))

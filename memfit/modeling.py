@@ -279,9 +279,9 @@ def find_decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     # Generic fallback: the longest ModuleList whose entries all share one class (first one wins ties).
     best: torch.nn.ModuleList | None = None
     for module in base.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
-            if len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best)):
-                best = module
+        if (isinstance(module, torch.nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1
+                and (best is None or len(module) > len(best))):
+            best = module
     if best is None:
         raise ModelLoadError(f"model.name_or_path: found no decoder block list in {type(base).__name__}; "
                              "memory planning needs a ModuleList of identical blocks; set memory.block_class to "

@@ -56,7 +56,7 @@ def memory_breakdown(baseline: dict[str, Any] | None, per_step: list[tuple[int, 
             names = list(breakdown)
             values = [breakdown[n] / GB for n in names]
             bottom = 0.0
-            for name, value in zip(names, values):
+            for name, value in zip(names, values, strict=True):
                 left.bar(["plain step"], [value], bottom=bottom, label=name)
                 bottom += value
         elif baseline and baseline.get("peak_bytes"):

@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from memfit.config import SpotWatcherConfig
@@ -73,7 +73,7 @@ class Notice:
     seen_at: float  # time.time() when the watcher saw it
 
     def describe(self) -> str:
-        seen = datetime.fromtimestamp(self.seen_at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        seen = datetime.fromtimestamp(self.seen_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         if self.kind == "interruption":
             return (f"spot interruption notice: {self.detail.get('action', '?')} at "
                     f"{self.detail.get('time', '?')} (seen {seen})")

@@ -11,6 +11,10 @@ from memfit.config import MemfitConfig
 from memfit.reports import ExportReport, TrainReport
 
 
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
 @task(name="evaluate-and-export", cache_policy=NO_CACHE, timeout_seconds=3600)
 def export_task(config: MemfitConfig, trained: TrainReport) -> ExportReport:
     report = pipeline.evaluate_and_export(config, trained)
@@ -21,7 +25,7 @@ def export_task(config: MemfitConfig, trained: TrainReport) -> ExportReport:
         description="Evaluation and verified exports",
         markdown="\n".join([
             "# Evaluation and export", "", "| what | value |", "|---|---|",
-            f"| validation loss | {trained.initial_val_loss if trained.initial_val_loss is not None else float('nan'):.4f}"
+            f"| validation loss | {_or_nan(trained.initial_val_loss):.4f}"
             f" → {report.final_val_loss:.4f} |",
             f"| perplexity | {report.final_val_perplexity:.3f} |",
             f"| SafeTensors folder | `{report.safetensors_dir}` (reload diff {report.safetensors_max_abs_diff:.2e}) |",

@@ -27,7 +27,8 @@ def probe_task(config: MemfitConfig) -> ProbeReport:
             "",
             "| what | value |", "|---|---|",
             f"| device | {dev['type']} {dev['name']} |",
-            f"| device memory total / free | {dev['memory_total_bytes'] / GB:.2f} / {dev['memory_free_bytes'] / GB:.2f} GB |",
+            f"| device memory total / free | {dev['memory_total_bytes'] / GB:.2f} / "
+            f"{dev['memory_free_bytes'] / GB:.2f} GB |",
             f"| bf16 | {dev['bf16_supported']} |",
             f"| model | {report.model_source} ({report.n_params:,} params) |",
             f"| micro-batch × seq | {b['batch_size']} × {b['seq_len']} |",

@@ -15,10 +15,13 @@ from memfit.retraining import gather, retrain_config
 def prepare_retrain_task(config: MemfitConfig, data_uri: str | None) -> MemfitConfig:
     inputs = gather(config, data_uri)
     run_config = retrain_config(config, inputs)
-    create_markdown_artifact(key="retrain-inputs", description="What this retraining run starts from", markdown="\n".join([
+    start = (f"champion version {inputs.champion_version}" if inputs.champion_version
+             else "the base model (no champion yet)")
+    create_markdown_artifact(key="retrain-inputs", description="What this retraining run starts from",
+                             markdown="\n".join([
         "# Retraining inputs", "", "| what | value |", "|---|---|",
         f"| data | `{inputs.data_key}` (sha256 `{inputs.data_sha256[:16]}…`) |",
-        f"| starting model | {'champion version ' + inputs.champion_version if inputs.champion_version else 'the base model (no champion yet)'} |",
+        f"| starting model | {start} |",
         f"| training checkpoints | `{run_config.checkpoint.uri}` |",
     ]))
     return run_config

@@ -53,7 +53,8 @@ def plot_timeline(name: str, summary: dict[str, Any], path: Path, subtitle: str 
     peak = summary["peak_at"]
     if peak is not None:
         ax.annotate(f"peak {summary['peak_bytes'] / div:.2f} {unit}\n{peak['phase']}: {peak['op']}",
-                    xy=(peak["event"] - start, summary["peak_bytes"] / div), xytext=(10, -30), textcoords="offset points",
+                    xy=(peak["event"] - start, summary["peak_bytes"] / div), xytext=(10, -30),
+                    textcoords="offset points",
                     fontsize=8, arrowprops={"arrowstyle": "->", "lw": 0.8}, zorder=3)
     ax.set_xlabel("tensor allocations and releases into the step")
     ax.set_ylabel(f"live tensor memory ({unit})")

@@ -26,7 +26,7 @@ class Stack:
 
 @dataclass
 class KindTrace:
-    """A proxy of `n_proxy` blocks, all checkpointed as `kind`: its segments per micro-batch (0, and 1 if accumulating)."""
+    """A proxy of `n_proxy` blocks, all checkpointed as `kind`: its segments per micro-batch (0, 1 if accumulating)."""
 
     kind: str
     n_proxy: int

@@ -33,7 +33,7 @@ def model_config_for(cfg: Any) -> Any:
         try:
             return AutoConfig.from_pretrained(target, trust_remote_code=cfg.model.trust_remote_code,
                                               local_files_only=local)
-        except Exception as err:  # unreadable or unknown architecture
+        except Exception as err:  # noqa: BLE001 - unreadable or unknown architecture
             raise ConfigError(f"model.name_or_path: cannot read the model config from {target} ({err})") from None
     spec = _preset_spec(cfg.model, cfg.train.seed, "", cfg.data.seq_len)
     # A preset's vocabulary is its trained tokenizer's, at most model.vocab_size: estimate with the maximum.

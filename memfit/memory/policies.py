@@ -169,11 +169,11 @@ def assign_blocks(model: nn.Module, kinds: Sequence[str], *, block_class: str | 
         raise ValueError(f"{len(kinds)} block kinds for {len(blocks)} decoder blocks")
     base = _base_model(model)
     funcs = {kind: checkpoint_function(kind, save_ops) for kind in set(kinds)}
-    if any(kind != "none" for kind in kinds) and hasattr(base, "enable_input_require_grads"):
-        # With frozen embeddings (LoRA) the first block's input needs requires_grad for grads to flow
-        # through recomputed blocks; transformers does the same in activation_checkpointing_enable.
-        if not any(p.requires_grad for p in base.get_input_embeddings().parameters()):
-            base.enable_input_require_grads()
+    # With frozen embeddings (LoRA) the first block's input needs requires_grad for grads to flow
+    # through recomputed blocks; transformers does the same in activation_checkpointing_enable.
+    if (any(kind != "none" for kind in kinds) and hasattr(base, "enable_input_require_grads")
+            and not any(p.requires_grad for p in base.get_input_embeddings().parameters())):
+        base.enable_input_require_grads()
     for block, kind in zip(blocks, kinds, strict=True):
         _set_block(block, funcs[kind])
     if getattr(base, "config", None) is not None:

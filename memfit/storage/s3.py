@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from memfit.storage.base import PROBE_PREFIX, TEMP_SUFFIX, KeyNotFound, StorageError
-from memfit.storage.base import check_key, check_prefix
+from memfit.storage.base import PROBE_PREFIX, TEMP_SUFFIX, KeyNotFound, StorageError, check_key, check_prefix
 
 _MIB = 1024 * 1024
 # S3 rejects multipart parts under 5 MiB (except the last), so chunks never go below it.
@@ -60,8 +59,15 @@ def map_s3_error(
 
     key is the full S3 key, or None for bucket-level calls (then a 404 means the bucket is missing).
     """
-    from botocore.exceptions import BotoCoreError, ClientError, ConnectionClosedError, ConnectionError
-    from botocore.exceptions import NoCredentialsError, PartialCredentialsError, ReadTimeoutError
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        ConnectionClosedError,
+        ConnectionError,
+        NoCredentialsError,
+        PartialCredentialsError,
+        ReadTimeoutError,
+    )
 
     cause = _root_cause(exc)
     if isinstance(cause, StorageError):

@@ -12,7 +12,7 @@ log = logging.getLogger("memfit.tracking")
 
 
 def make_tracker(tracking_cfg) -> Tracker:
-    """The configured tracker; an unreachable store fails (tracking.fail_if_unreachable) or falls back to null, warning."""
+    """The configured tracker; an unreachable store fails (tracking.fail_if_unreachable) or warns and goes null."""
     if tracking_cfg.backend == "null":
         return NullTracker()
     from memfit.tracking.mlflow_tracker import MLflowTracker

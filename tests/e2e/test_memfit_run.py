@@ -32,8 +32,8 @@ def test_memfit_run_tiny_json(tmp_path):
     assert out["final_val_loss"] < out["initial_val_loss"]
     assert out["tracking_uri"] == f"sqlite:///{tmp_path / 'mlflow.db'}"
 
-    from transformers import AutoModelForCausalLM
     import onnxruntime as ort
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out["safetensors_dir"]).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))

@@ -81,11 +81,11 @@ def _all_s3_bytes(client, bucket: str) -> list[tuple[str, bytes]]:
 
 def test_preempted_run_resumes_in_one_run_and_registers(mlflow_server, s3_env, s3_client, tmp_path, monkeypatch):
     from mlflow import MlflowClient
+    from tests_support import tiny_overrides
 
     from memfit import config, pipeline
     from memfit.errors import Preempted
     from memfit.tracking.mlflow_tracker import MLflowTracker
-    from tests_support import tiny_overrides
 
     port, bucket = mlflow_server["port"], mlflow_server["bucket"]
     s3_client.create_bucket(Bucket="runs")

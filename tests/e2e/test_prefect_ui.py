@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from servers import prefect_server, process_group
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from servers import free_port, process_group
 
 pytestmark = pytest.mark.e2e

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from memory_support import SAVE_OPS, VOCAB, tiny
 
 from memfit import config
 from memfit.memory.compose import Stack
@@ -15,7 +16,6 @@ from memfit.memory.estimate import Estimator, trace_whole_step
 from memfit.memory.policies import assign_blocks, find_blocks, mixed_kinds
 from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
 from memfit.memory.tracker import StepTracker
-from memory_support import SAVE_OPS, VOCAB, tiny
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A short tiny run without tracking: its training checkpoints are what `memfit export` reads."""
-    from memfit import config, pipeline
     from tests_support import tiny_overrides
+
+    from memfit import config, pipeline
 
     root = tmp_path_factory.mktemp("trained")
     from memfit.reports import PlanReport
@@ -44,8 +45,8 @@ def _copy(ckpts: Path, dest: Path) -> Path:
 
 def test_cli_exports_a_training_checkpoint(trained, tmp_path):
     """Must show: the folder loads with from_pretrained and the printed ONNX parity is within the threshold."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     import onnxruntime as ort
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -22,9 +22,10 @@ def flow_run(prefect_harness, tmp_path_factory):
     """One full flow run (ONNX on), shared by the assertions below."""
     import os
 
-    from memfit import config
-    from flows.finetune import finetune
     from tests_support import tiny_overrides
+
+    from flows.finetune import finetune
+    from memfit import config
 
     root = tmp_path_factory.mktemp("flow")
     repo = Path(__file__).resolve().parents[2]
@@ -83,8 +84,9 @@ def test_exports_load_and_match(flow_run):
 
 
 def test_rerun_of_a_finished_run_does_not_retrain(flow_run):
-    from flows.finetune import finetune
     from mlflow import MlflowClient
+
+    from flows.finetune import finetune
 
     cfg, s, root = flow_run
     again = finetune(config=cfg)

@@ -21,10 +21,10 @@ def test_retrain_promotes_then_a_failed_gate_keeps_the_champion(prefect_harness,
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from tests_support import tiny_overrides
 
     from flows.retrain import retrain
     from memfit import config
-    from tests_support import tiny_overrides
 
     data = tmp_path / "incoming"
     _write_data(data, "2026-11-01.txt", 1)

@@ -311,7 +311,8 @@ def test_broken_compose_file_fails(
     mutation(data)
     broken = tmp_path / "docker-compose.yml"
     broken.write_text(yaml.safe_dump(data, sort_keys=False))
-    res = _compose(compose_bin, clean_env, "--env-file", str(ENV_EXAMPLE), "config", "-q", cwd=tmp_path, compose_file=broken)
+    res = _compose(compose_bin, clean_env, "--env-file", str(ENV_EXAMPLE), "config", "-q", cwd=tmp_path,
+                   compose_file=broken)
     assert res.returncode != 0, "compose accepted a broken file"
     assert message in res.stderr, res.stderr
 
@@ -396,7 +397,8 @@ def test_mlflow_dockerfile() -> None:
 
 def test_dockerignore() -> None:
     entries = {
-        line.strip() for line in (REPO / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")
+        line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
     }
     for needed in (".venv", ".git", ".env", "runs/", "mlflow.db"):
         assert needed in entries, f".dockerignore lacks {needed}"

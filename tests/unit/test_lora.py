@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from memory_support import SAVE_OPS, VOCAB, tiny
 
 from memfit.config import LoraConfig, from_dict
 from memfit.errors import ConfigError
 from memfit.lora import apply_lora, is_lora_state, merge_lora
 from memfit.memory.policies import apply_policy, make_policy
 from memfit.memory.step import make_optimizer, run_step
-from memory_support import SAVE_OPS, VOCAB, tiny
 
 pytestmark = pytest.mark.unit
 

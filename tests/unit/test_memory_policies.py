@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from memory_support import SAVE_OPS, VOCAB, tiny
 from torch import nn
 
 from memfit.errors import ConfigError
@@ -18,7 +19,6 @@ from memfit.memory.policies import (
 )
 from memfit.memory.step import run_step
 from memfit.memory.tracker import StepTracker
-from memory_support import SAVE_OPS, VOCAB, tiny
 
 pytestmark = pytest.mark.unit
 SEQ = 32

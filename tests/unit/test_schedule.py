@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 def test_warmup_then_cosine_to_floor():
     f = [lr_factor(s, warmup_steps=4, max_steps=20, min_ratio=0.1) for s in range(21)]
     assert f[0] == pytest.approx(0.25) and f[3] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(f[4:], f[5:]))  # non-increasing after warm-up
+    assert all(a >= b for a, b in zip(f[4:], f[5:], strict=False))  # non-increasing after warm-up
     assert f[20] == pytest.approx(0.1)
     assert lr_factor(100, warmup_steps=4, max_steps=20, min_ratio=0.1) == pytest.approx(0.1)
 

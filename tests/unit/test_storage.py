@@ -415,8 +415,8 @@ def test_map_s3_error_unwraps_upload_failure_and_connection_errors():
     try:
         try:
             raise _client_error("SignatureDoesNotMatch")
-        except Exception as inner:
-            raise S3UploadFailedError(f"Failed to upload: {inner}")  # what boto3 does (implicit chain)
+        except Exception as inner:  # noqa: BLE001
+            raise S3UploadFailedError(f"Failed to upload: {inner}")  # noqa: B904 - what boto3 does (implicit chain)
     except S3UploadFailedError as exc:
         wrapped = exc
     kw = dict(uri="s3://bkt", endpoint="http://ep", bucket="bkt", key="k")
