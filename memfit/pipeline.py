@@ -19,14 +19,14 @@ import torch
 import memfit
 from memfit.checkpointing import CheckpointManager, read_checkpoint_folder
 from memfit.config import MemfitConfig
-from memfit.data import DataBundle, load_texts, data_digest
+from memfit.data import DataBundle, data_digest, load_texts
 from memfit.datacache import cached_data
 from memfit.env import environment_report, pin_threads, resolve_device
 from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryBudgetError, MemoryLimitError, Preempted
 from memfit.memory.policies import apply_policy, make_policy
 from memfit.memory.probe import explain_oom, measure_step, verdict
 from memfit.memory.search import estimate_policy, plan_for, plan_table_markdown, resolve_budget, target_profile
-from memfit.modeling import check_seq_len, load_model, load_model_and_tokenizer
+from memfit.modeling import check_seq_len, load_model_and_tokenizer
 from memfit.preemption import stop_on_signals
 from memfit.reports import ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
 from memfit.spot import spot_watcher
@@ -314,7 +314,7 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
                         f"{result.last_checkpoint_uri} committed {took:.1f} s after the stop request (grace "
                         f"{grace:.0f} s); run the same command again to resume")
     _log_training_end(tracker, plan, probe_report, result.steps)
-    return TrainReport(mlflow_run_id=run_id, **result.__dict__)
+    return result.model_copy(update={"mlflow_run_id": run_id})
 
 
 def _log_training_end(tracker: Any, plan: PlanReport, probe_report: ProbeReport | None, steps: int) -> None:

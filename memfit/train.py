@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -20,34 +17,28 @@ from memfit.config import MemfitConfig
 from memfit.data import BatchOrder, DataBundle
 from memfit.memory.monitor import MemoryMonitor
 from memfit.memory.probe import autocast_context
-from memfit.schedule import capture_rng, lr_factor, restore_rng, seed_everything
+from memfit.optim import (
+    apply_gradients,
+    make_adamw,
+    make_scaler,
+    make_scheduler,
+    memory_now,
+    restore_schedule,
+    step_metrics,
+)
+from memfit.reports import TrainReport
+from memfit.schedule import capture_rng, restore_rng, seed_everything
 from memfit.tracking.base import Tracker
 
 log = logging.getLogger("memfit.train")
 
 
-@dataclass
-class TrainResult:
-    start_step: int
-    steps: int
-    resumed_from: int | None
-    preempted: bool
-    initial_val_loss: float | None
-    final_train_loss: float | None
-    tokens_per_s: float | None
-    peak_memory_bytes: int
-    last_checkpoint_uri: str | None
-    preempt_reason: str | None = None
-    checkpoint_stats: dict[str, Any] | None = None
-
-
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    # No decay on biases and norm weights (1-D): the usual AdamW recipe for transformers.
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def log_initial_val_loss(trainer: Any) -> None:
+    """The validation loss before the first step (MLflow step 0), once per run: a resumed run keeps its own."""
+    if trainer.initial_val_loss is None:
+        trainer.initial_val_loss = trainer.evaluate()
+        trainer.tracker.log_metrics({"val_loss": trainer.initial_val_loss,
+                                     "val_perplexity": math.exp(min(trainer.initial_val_loss, 50))}, step=0)
 
 
 class Trainer:
@@ -61,10 +52,9 @@ class Trainer:
         if t.precision == "bf16-true":
             model.to(torch.bfloat16)
         model.to(device)
-        self.optimizer = torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr, betas=(0.9, 0.95))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(
-            lr_factor, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_ratio=t.min_lr_ratio))
-        self.scaler = torch.amp.GradScaler(device.type) if t.precision == "fp16-mixed" else None
+        self.optimizer = make_adamw(model, t.lr, t.weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, t)
+        self.scaler = make_scaler(device, t.precision)
         self.order = BatchOrder(len(data.train), t.micro_batch_size, t.seed)
         self.step = 0
         self.tokens_seen = 0
@@ -102,11 +92,7 @@ class Trainer:
         state = ckpt.state
         self.load_model_state(ckpt.model_state)
         self.optimizer.load_state_dict(ckpt.optimizer_state)
-        sched = dict(state["scheduler"])
-        sched.pop("lr_lambdas", None)  # ours is rebuilt from the config (max_steps may have grown)
-        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **sched})
-        if self.scaler and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        restore_schedule(self.scheduler, self.scaler, state)
         self.order.load_state_dict(state["data_order"])
         restore_rng(state["rng"], ckpt.rng_tensors)
         self.step = int(state["step"])
@@ -121,15 +107,6 @@ class Trainer:
                              self.cfg.train.precision, max_batches or self.cfg.train.eval_batches)
 
     # -- training -----------------------------------------------------------------------------------
-    def _memory_now(self) -> tuple[int, int]:
-        """(peak since last call, current) bytes: the CUDA allocator on GPU, process RSS on CPU."""
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return int(peak), int(torch.cuda.memory_allocated(self.device))
-        rss = psutil.Process().memory_info().rss
-        return int(rss), int(rss)
-
     def _optimizer_step(self) -> tuple[float, float]:
         t = self.cfg.train
         micro = t.micro_batch_size
@@ -142,18 +119,7 @@ class Trainer:
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
         self.tokens_seen += micro * t.grad_accum_steps * self.data.train.shape[1]
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = t.max_grad_norm if t.max_grad_norm is not None else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = apply_gradients(self.model, self.optimizer, self.scheduler, self.scaler, t.max_grad_norm)
         self.step += 1
         return float(loss_sum), float(grad_norm)
 
@@ -173,15 +139,12 @@ class Trainer:
             self.tracker.log_metrics(metrics, step=rec.step)
 
     def fit(self, stop: threading.Event | None = None, save_request: threading.Event | None = None
-            ) -> TrainResult:
+            ) -> TrainReport:
         """Train to train.max_steps; `stop` (SIGTERM, spot notice) ends after the current step with a
         synchronous save; `save_request` (a rebalance recommendation) asks for a save now."""
         t, ck = self.cfg.train, self.cfg.checkpoint
         start = self.step
-        if self.initial_val_loss is None:
-            self.initial_val_loss = self.evaluate()
-            self.tracker.log_metrics({"val_loss": self.initial_val_loss,
-                                      "val_perplexity": math.exp(min(self.initial_val_loss, 50))}, step=0)
+        log_initial_val_loss(self)
         tokens_per_step = t.batch_size * self.data.train.shape[1]
         last_loss: float | None = None
         peak_mem = 0
@@ -198,13 +161,10 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 run_tokens += tokens_per_step
                 if self.step % t.log_every_steps == 0 or self.step == t.max_steps:
-                    peak, current = self._memory_now()
-                    peak_mem = max(peak_mem, peak)
-                    self.tracker.log_metrics({
-                        "loss": last_loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                        "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                        "memory_peak_bytes": peak, "memory_current_bytes": current,
-                    }, step=self.step)
+                    memory = memory_now(self.device)
+                    peak_mem = max(peak_mem, memory[0])
+                    self.tracker.log_metrics(step_metrics(last_loss, self.scheduler.get_last_lr()[0], grad_norm,
+                                                          tokens_per_step, dt, memory), step=self.step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
                                 **self.monitor.postfix)
@@ -238,8 +198,9 @@ class Trainer:
         self.tracker.flush()
         elapsed = time.perf_counter() - run_t0
         latest = self.checkpoints.list()
-        return TrainResult(
-            start_step=start, steps=self.step, resumed_from=self.resumed_from, preempted=preempted,
+        return TrainReport(
+            mlflow_run_id=self.tracker.run_id or "", start_step=start, steps=self.step,
+            resumed_from=self.resumed_from, preempted=preempted,
             initial_val_loss=self.initial_val_loss, final_train_loss=last_loss,
             tokens_per_s=(run_tokens / elapsed) if run_tokens else None, peak_memory_bytes=peak_mem,
             last_checkpoint_uri=latest[-1].uri if latest else None,

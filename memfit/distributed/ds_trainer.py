@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 from torch import nn
 
 from memfit.config import MemfitConfig
-from memfit.data import BatchOrder, DataBundle
+from memfit.data import DataBundle
 from memfit.dist_checkpoint import (
     DEEPSPEED_CONFIG_FILE,
     DEEPSPEED_FORMAT,
@@ -26,9 +25,10 @@ from memfit.distributed.ds_config import config_for, import_deepspeed
 from memfit.distributed.strategies import RankInfo, check_same_weights
 from memfit.distributed.trainer import DistTrainer
 from memfit.errors import CheckpointError
-from memfit.schedule import capture_rng, lr_factor, restore_rng, seed_everything
+from memfit.optim import lr_schedule, param_groups
+from memfit.schedule import capture_rng, restore_rng
 from memfit.tracking.base import Tracker
-from memfit.train import _param_groups, evaluate_loss
+from memfit.train import evaluate_loss
 
 log = logging.getLogger("memfit.distributed")
 _TAG = "ds"  # DeepSpeed writes <staging>/<tag>/...; the files are uploaded flat
@@ -48,20 +48,13 @@ class DeepSpeedTrainer(DistTrainer):
         check_same_weights(model, info)
         self.ds_config = config_for(cfg, plan, num_layers=len(find_decoder_blocks(model)))
         model.to(info.device)
-        sched = functools.partial(lr_factor, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
-                                  min_ratio=t.min_lr_ratio)
+        sched = lr_schedule(t)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=_param_groups(model, t.weight_decay), config=self.ds_config,
+            model=model, model_parameters=param_groups(model, t.weight_decay), config=self.ds_config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, sched), dist_init_required=False)
         self.autocast_precision = "fp32"  # DeepSpeed casts the module itself (bf16 / fp16 sections)
         self.scaler = None
-        self.order = BatchOrder(len(data.train), t.micro_batch_size, t.seed)
-        self.per_rank = t.micro_batch_size // info.world_size
-        self.step = 0
-        self.tokens_seen = 0
-        self.initial_val_loss: float | None = None
-        self.resumed_from: int | None = None
-        seed_everything(t.seed + info.rank)
+        self._start_position()
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -178,8 +178,11 @@ def rank_errors(jdir: Path) -> list[dict[str, Any]]:
     return sorted(out, key=lambda e: (e.get("secondary", False), e.get("time", 0.0)))
 
 
-def outcome(cfg: MemfitConfig, jdir: Path, returncode: int) -> TrainReport:
-    """rank 0's report when training finished; Preempted when the ranks stopped on a signal; else the error."""
+def outcome(cfg: MemfitConfig, jdir: Path, returncode: int, stop_reason: str | None = None) -> TrainReport:
+    """rank 0's report when training finished; Preempted when the ranks stopped on a signal; else the error.
+
+    `stop_reason`: this node was told to stop (SIGTERM, spot notice) and forwarded it to its ranks.
+    """
     report_path = jdir / REPORT_FILE
     report = json.loads(report_path.read_text()) if report_path.is_file() else None
     if report is None and cfg.distributed.nnodes > 1:  # rank 0 ran on another node
@@ -193,6 +196,11 @@ def outcome(cfg: MemfitConfig, jdir: Path, returncode: int) -> TrainReport:
     if returncode == 0 and report is not None:
         return TrainReport(**{k: v for k, v in report.items() if k in TrainReport.model_fields})
     errs = rank_errors(jdir)
+    if stop_reason is not None and not errs:
+        # Stopped before the ranks could save (still starting up: a signal's default action ends a process that
+        # has not installed its handler yet). Nothing trained since the last training checkpoint is lost.
+        raise Preempted(f"preempted ({stop_reason}) before the ranks saved (torchrun exit code {returncode}); run "
+                        "the same command again to resume from the last committed training checkpoint")
     if errs:
         first = errs[0]
         cls = getattr(errors, first.get("type", ""), None)
@@ -210,6 +218,7 @@ def train_distributed(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint,
                       probe_report: ProbeReport | None = None) -> TrainReport:
     """Phase 3 on several processes: torchrun runs memfit.distributed.worker on every rank of this node."""
     from memfit.preemption import stop_on_signals
+    from memfit.spot import spot_watcher
 
     ensure_model_files(cfg)
     jdir = prepare_job_dir(cfg)
@@ -217,9 +226,12 @@ def train_distributed(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint,
               resume=resume.model_dump(mode="json"),
               probe=probe_report.model_dump(mode="json") if probe_report else None, job_dir=str(jdir))
     try:
-        with stop_on_signals() as stop:
+        # One spot watcher per node, here: a notice sets `stop`, which run_torchrun forwards to every rank as
+        # SIGTERM; the ranks agree on it at the next step and save together. (A rebalance recommendation with
+        # on_rebalance=save is only logged: the ranks have no way to be asked for an extra save.)
+        with stop_on_signals() as stop, spot_watcher(cfg.checkpoint.spot, stop):
             code = run_torchrun(cfg, job, stop)
-        return outcome(cfg, jdir, code)
+        return outcome(cfg, jdir, code, (stop.reason or "stop requested") if stop.is_set() else None)
     except (DistributedError, errors.MemfitError) as err:
         if not isinstance(err, Preempted):
             _mark_failed(cfg, jdir)

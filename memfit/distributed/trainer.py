@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 import os
 import signal
 import threading
@@ -13,7 +11,6 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
 
@@ -30,9 +27,19 @@ from memfit.distributed.strategies import (
     wrap_fsdp2,
 )
 from memfit.memory.probe import autocast_context
-from memfit.schedule import capture_rng, lr_factor, restore_rng, seed_everything
+from memfit.optim import (
+    apply_gradients,
+    make_adamw,
+    make_scaler,
+    make_scheduler,
+    memory_now,
+    restore_schedule,
+    step_metrics,
+)
+from memfit.reports import TrainReport
+from memfit.schedule import capture_rng, restore_rng, seed_everything
 from memfit.tracking.base import Tracker
-from memfit.train import TrainResult, _param_groups, evaluate_loss
+from memfit.train import evaluate_loss, log_initial_val_loss
 
 log = logging.getLogger("memfit.distributed")
 
@@ -72,18 +79,22 @@ class DistTrainer:
             raise ValueError(f"DistTrainer runs ddp or fsdp2, not {strategy}")
         # FSDP2 computes in bf16 through its mixed-precision policy; DDP autocasts like one process does.
         self.autocast_precision = "fp32" if strategy == "fsdp2" and precision == "bf16-mixed" else precision
-        self.optimizer = torch.optim.AdamW(_param_groups(self.model, t.weight_decay), lr=t.lr, betas=(0.9, 0.95))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(
-            lr_factor, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_ratio=t.min_lr_ratio))
-        self.scaler = torch.amp.GradScaler(info.device.type) if precision == "fp16-mixed" else None
-        self.order = BatchOrder(len(data.train), t.micro_batch_size, t.seed)
-        self.per_rank = t.micro_batch_size // info.world_size
+        self.optimizer = make_adamw(self.model, t.lr, t.weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, t)
+        self.scaler = make_scaler(info.device, precision)
+        self._start_position()
+
+    def _start_position(self) -> None:
+        """Step 0 of the shared data order; this rank's slice of each micro-batch and its own RNG stream."""
+        t = self.cfg.train
+        self.order = BatchOrder(len(self.data.train), t.micro_batch_size, t.seed)
+        self.per_rank = t.micro_batch_size // self.info.world_size
         self.step = 0
         self.tokens_seen = 0
         self.initial_val_loss: float | None = None
         self.resumed_from: int | None = None
         # Rank 0 draws what one process would (same seed); the others their own streams (dropout differs).
-        seed_everything(t.seed + info.rank)
+        seed_everything(t.seed + self.info.rank)
 
     # -- training checkpoints ------------------------------------------------------------------------
     def _resume_state(self) -> dict[str, Any]:
@@ -112,11 +123,7 @@ class DistTrainer:
             state, rng = load_into(folder, self.model, self.optimizer, self.info.rank)
         else:
             state, rng = self._restore_single(folder)
-        sched = dict(state["scheduler"])
-        sched.pop("lr_lambdas", None)  # ours is rebuilt from the config (max_steps may have grown)
-        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **sched})
-        if self.scaler and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        restore_schedule(self.scheduler, self.scaler, state)
         self.order.load_state_dict(state["data_order"])
         self.step = int(state["step"])
         if rng is not None:
@@ -138,7 +145,7 @@ class DistTrainer:
         from memfit.checkpointing import read_checkpoint_folder
 
         ckpt = read_checkpoint_folder(folder)
-        # Positions -> names, through this optimizer's groups (built by the same _param_groups rule).
+        # Positions -> names, through this optimizer's groups (built by the same param_groups rule).
         groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
         saved = ckpt.optimizer_state
         names = [fqn for g in groups for fqn in g["params"]]
@@ -163,14 +170,6 @@ class DistTrainer:
         return evaluate_loss(unwrap(self.model), self.data.val, self.cfg.train.micro_batch_size, self.info.device,
                              self.autocast_precision, self.cfg.train.eval_batches)
 
-    def _memory_now(self) -> tuple[int, int]:
-        if self.info.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.info.device)
-            torch.cuda.reset_peak_memory_stats(self.info.device)
-            return int(peak), int(torch.cuda.memory_allocated(self.info.device))
-        rss = psutil.Process().memory_info().rss
-        return int(rss), int(rss)
-
     def _optimizer_step(self) -> tuple[torch.Tensor, float]:
         t, lo = self.cfg.train, self.info.rank * self.per_rank
         loss_sum = torch.zeros((), device=self.info.device)
@@ -187,29 +186,16 @@ class DistTrainer:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach().float()
         self.tokens_seen += t.micro_batch_size * t.grad_accum_steps * self.data.train.shape[1]
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        max_norm = t.max_grad_norm if t.max_grad_norm is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], max_norm)
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        norm = apply_gradients(self.model, self.optimizer, self.scheduler, self.scaler, t.max_grad_norm)
         self.step += 1
         return loss_sum, grad_norm_value(norm)
 
-    def fit(self, stop: threading.Event) -> TrainResult:
+    def fit(self, stop: threading.Event) -> TrainReport:
         import torch.distributed as dist
 
         t, ck = self.cfg.train, self.cfg.checkpoint
         start = self.step
-        if self.initial_val_loss is None:
-            self.initial_val_loss = self.evaluate()
-            self.tracker.log_metrics({"val_loss": self.initial_val_loss,
-                                      "val_perplexity": math.exp(min(self.initial_val_loss, 50))}, step=0)
+        log_initial_val_loss(self)
         tokens_per_step = t.batch_size * self.data.train.shape[1]
         last_loss: float | None = None
         peak_mem, run_tokens, preempted = 0, 0, False
@@ -227,13 +213,10 @@ class DistTrainer:
             dt = time.perf_counter() - t0
             run_tokens += tokens_per_step
             if self.step % t.log_every_steps == 0 or self.step == t.max_steps:
-                peak, current = self._memory_now()
-                peak_mem = max(peak_mem, peak)
-                self.tracker.log_metrics({
-                    "loss": last_loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                    "memory_peak_bytes": peak, "memory_current_bytes": current,
-                }, step=self.step)
+                memory = memory_now(self.info.device)
+                peak_mem = max(peak_mem, memory[0])
+                self.tracker.log_metrics(step_metrics(last_loss, self.scheduler.get_last_lr()[0], grad_norm,
+                                                      tokens_per_step, dt, memory), step=self.step)
             if self.info.is_main and (self.step % max(1, t.max_steps // 10) == 0 or self.step == t.max_steps):
                 log.info("step %d/%d: loss %.4f, %.0f tokens/s on %d ranks", self.step, t.max_steps, last_loss,
                          tokens_per_step / dt, self.info.world_size)
@@ -250,8 +233,9 @@ class DistTrainer:
         self.tracker.flush()
         elapsed = time.perf_counter() - run_t0
         latest = self.checkpointer.committed_uri()
-        return TrainResult(
-            start_step=start, steps=self.step, resumed_from=self.resumed_from, preempted=preempted,
+        return TrainReport(
+            mlflow_run_id=self.tracker.run_id or "", start_step=start, steps=self.step,
+            resumed_from=self.resumed_from, preempted=preempted,
             initial_val_loss=self.initial_val_loss, final_train_loss=last_loss,
             tokens_per_s=(run_tokens / elapsed) if run_tokens else None, peak_memory_bytes=peak_mem,
             last_checkpoint_uri=latest)

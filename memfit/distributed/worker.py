@@ -14,8 +14,7 @@ from typing import Any
 
 from memfit.config import MemfitConfig, from_dict
 from memfit.errors import ConfigError, DistributedError, Preempted
-from memfit.reports import PlanReport, ProbeReport, ResumePoint
-from memfit.train import TrainResult
+from memfit.reports import PlanReport, ProbeReport, ResumePoint, TrainReport
 
 log = logging.getLogger("memfit.distributed")
 
@@ -47,7 +46,7 @@ def _agree(info: Any, job_plan: dict[str, Any], resume: ResumePoint) -> dict[str
     return box[0]
 
 
-def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> TrainResult:
+def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> TrainReport:
     from memfit import pipeline
     from memfit.datacache import cached_data
     from memfit.dist_checkpoint import ShardedCheckpointer
@@ -78,6 +77,8 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> Train
             tracker.set_tags({"memfit.resumed_from_step": str(resume.step)})
         else:
             pipeline._log_run_start(tracker, cfg, plan, data, probe)
+    # The ranks run the planned precision and accumulation, as one process does; the identity stays the user's.
+    tcfg = pipeline.planned_config(cfg, plan)
     checkpointer = ShardedCheckpointer(pipeline.open_checkpoint_store(cfg), pipeline._staging(cfg, "dcp-staging"),
                                        info.rank, info.world_size, cfg.checkpoint.keep_last,
                                        commit_timeout_s=d.timeout_minutes * 60)
@@ -85,12 +86,12 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> Train
         if plan.strategy in DEEPSPEED_STRATEGIES:
             from memfit.distributed.ds_trainer import DeepSpeedTrainer
 
-            trainer: Any = DeepSpeedTrainer(cfg, plan, model, data, info, tracker, checkpointer,
+            trainer: Any = DeepSpeedTrainer(tcfg, plan, model, data, info, tracker, checkpointer,
                                             pipeline.run_identity(cfg))
         else:
             from memfit.distributed.trainer import DistTrainer
 
-            trainer = DistTrainer(cfg, plan.strategy, plan.precision, model, data, info, tracker, checkpointer,
+            trainer = DistTrainer(tcfg, plan.strategy, plan.precision, model, data, info, tracker, checkpointer,
                                   pipeline.run_identity(cfg))
         if resume.local_dir:
             trainer.restore(Path(resume.local_dir))
@@ -108,7 +109,7 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> Train
             tracker.end_run("KILLED")
         else:  # buffered metrics written before this process ends (it exits with os._exit)
             pipeline._log_training_end(tracker, plan, probe, result.steps)
-        report = {**result.__dict__, "mlflow_run_id": tracker.run_id, "world_size": info.world_size,
+        report = {**result.model_dump(mode="json"), "mlflow_run_id": tracker.run_id, "world_size": info.world_size,
                   "strategy": plan.strategy}
         _write_json(jdir / REPORT_FILE, report)
         if d.nnodes > 1:  # the flow on node 0 reads it from the store when this is another node

@@ -81,9 +81,11 @@ def _micro_batches(cfg: Any) -> list[int]:
     m0 = t.micro_batch_size
     if not cfg.memory.allow_smaller_micro_batch:
         return [m0]
-    divisors = [d for d in range(m0, 0, -1) if t.batch_size % d == 0]
+    # Several ranks split every micro-batch evenly: only multiples of the world size (it divides m0).
+    world = cfg.distributed.world_size
+    divisors = [d for d in range(m0, 0, -1) if t.batch_size % d == 0 and d % world == 0]
     picked = divisors[:4]
-    return picked + ([1] if 1 not in picked else [])
+    return picked + ([world] if world not in picked else [])
 
 
 def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:

@@ -11,6 +11,7 @@ from torch import nn
 
 from memfit.memory.devices import DeviceProfile
 from memfit.memory.tracker import StepTracker, tensors_of
+from memfit.optim import make_adamw
 
 
 def autocast_context(device: torch.device, precision: str):
@@ -26,18 +27,10 @@ def autocast_context(device: torch.device, precision: str):
     return nullcontext()
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    # The trainer's AdamW recipe: no decay on biases and norm weights (1-D).
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def make_optimizer(model: nn.Module, weight_decay: float = 0.01, foreach: bool | None = None
                    ) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=1e-6, betas=(0.9, 0.95), foreach=foreach)
+    # The trainer's AdamW recipe (same groups, same state), at a learning rate that barely moves the weights.
+    return make_adamw(model, 1e-6, weight_decay, foreach=foreach)
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -95,7 +88,7 @@ def op_cost_model(profile: DeviceProfile) -> Callable[[Any, tuple, dict, Any], f
         if formula is not None:
             try:
                 flops = formula(*args, **kwargs, out_val=out)
-            except Exception:  # a formula that does not cover an overload: count its bytes only
+            except Exception:  # noqa: BLE001 - a formula that does not cover an overload: count its bytes only
                 flops = 0
         ts = tensors_of(args, kwargs, out)
         nbytes = sum(t.numel() * t.element_size() for t in ts)

@@ -1,5 +1,6 @@
 """Two CPU processes under torchrun (gloo): losses match one process, sharded training checkpoints resume on
-2 and on 1 process, SIGTERM on one rank stops all of them with a save, a rank crash fails loudly."""
+2 and on 1 process, SIGTERM on one rank or a spot notice stops all of them with a save, a rank crash fails
+loudly."""
 
 from __future__ import annotations
 
@@ -153,6 +154,46 @@ def test_ddp_on_s3_rank_crash_fails_loudly_and_rerun_resumes(tmp_path, work, ref
     assert report.last_checkpoint_uri == f"s3://{bucket}/runs/ddp/step-{STEPS:08d}"
     (run,) = _runs(cfg)
     _assert_close(_losses(cfg, run.info.run_id), reference, range(1, STEPS + 1))
+
+
+def test_spot_notice_stops_every_rank_with_a_save(tmp_path, work):
+    """The launcher's spot watcher (one per node) forwards an interruption notice to both ranks."""
+    import re
+    import threading
+    import time
+
+    from fixtures.faults import FakeMetadata
+
+    from memfit.checkpointing import CheckpointManager
+    from memfit.distributed.launch import RUN_ID_FILE, job_dir
+    from memfit.storage import open_store
+
+    imds = FakeMetadata()
+    cfg = _cfg(tmp_path, work, **{"distributed.nproc_per_node": 2, "distributed.strategy": "ddp",
+                                  "train.max_steps": 60, "checkpoint.every_steps": 100,
+                                  "checkpoint.spot.enabled": True, "checkpoint.spot.metadata_url": imds.url,
+                                  "checkpoint.spot.poll_seconds": 0.1})
+    run_id_file = job_dir(cfg) / RUN_ID_FILE
+
+    def notice_once_training() -> None:  # rank 0 opens its MLflow run just before its first step
+        deadline = time.monotonic() + 600
+        while not run_id_file.is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        imds.instance_action = {"action": "terminate", "time": "2026-11-30T12:02:00Z"}
+
+    threading.Thread(target=notice_once_training, daemon=True).start()
+    try:
+        with pytest.raises(Preempted, match=r"all 2 ranks saved") as info:
+            _train(cfg)
+    finally:
+        imds.close()
+    assert info.value.exit_code == 75
+    stopped_at = int(re.search(r"preempted at step (\d+)", str(info.value)).group(1))
+    committed = [c.step for c in CheckpointManager(open_store(cfg.checkpoint.uri)).list()]
+    assert committed == [stopped_at] and 1 <= stopped_at < 60  # saved on the notice, long before the end
+    assert any(path.endswith("instance-action") for _, path, _ in imds.requests)
+    (run,) = _runs(cfg)
+    assert run.data.tags["memfit.status"] == "preempted"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,

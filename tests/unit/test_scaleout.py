@@ -185,6 +185,21 @@ def test_outcome_reads_the_report_or_raises_the_first_rank_error(tmp_path):
         f.unlink()
     with pytest.raises(DistributedError, match="no rank reported why"):
         outcome(cfg, jdir, -9)
+    # This node forwarded a stop (SIGTERM, spot notice) and the ranks died before saving (still starting up):
+    # a preemption to rerun, not a crash.
+    with pytest.raises(Preempted, match=r"preempted \(SIGTERM\) before the ranks saved") as info:
+        outcome(cfg, jdir, -15, stop_reason="SIGTERM")
+    assert info.value.exit_code == 75
+
+
+def test_planned_micro_batches_split_evenly_over_the_ranks():
+    from memfit.memory.search import _micro_batches
+
+    one = _cfg("train.batch_size=16", "train.grad_accum_steps=1", "memory.allow_smaller_micro_batch=true")
+    assert _micro_batches(one) == [16, 8, 4, 2, 1]
+    four = _cfg("train.batch_size=16", "train.grad_accum_steps=1", "memory.allow_smaller_micro_batch=true",
+               "distributed.nproc_per_node=4")
+    assert _micro_batches(four) == [16, 8, 4]  # never 2 or 1: four ranks could not share them
 
 
 # -- DCP files ------------------------------------------------------------------------------------------
@@ -238,7 +253,8 @@ def test_a_stop_request_reaches_every_rank_process(tmp_path, monkeypatch):
             "pathlib.Path(sys.argv[1] + '.up').write_text('up')\n"
             "time.sleep(60)\n")
     runner = ("import subprocess, sys\n"
-              f"ps = [subprocess.Popen([sys.executable, '-c', {rank!r}, r'{tmp_path}/rank' + str(i)]) for i in (0, 1)]\n"
+              f"ps = [subprocess.Popen([sys.executable, '-c', {rank!r}, r'{tmp_path}/rank' + str(i)])"
+              " for i in (0, 1)]\n"
               "sys.exit(max(p.wait() for p in ps))\n")
     monkeypatch.setattr(launch, "torchrun_command", lambda cfg, job_path: [sys.executable, "-c", runner])
     cfg = _cfg("distributed.nproc_per_node=2")

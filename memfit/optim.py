@@ -1,0 +1,88 @@
+"""The optimizer recipe and the end of an optimizer step, shared by the single-process and per-rank trainers."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+from memfit.config import TrainConfig
+from memfit.schedule import lr_factor
+
+ADAMW_BETAS = (0.9, 0.95)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Trainable parameters in two AdamW groups: no decay on biases and norm weights (1-D)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_adamw(model: nn.Module, lr: float, weight_decay: float, foreach: bool | None = None
+               ) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=ADAMW_BETAS, foreach=foreach)
+
+
+def lr_schedule(t: TrainConfig) -> functools.partial:
+    """Warmup then cosine to `min_lr_ratio`, as a factor of `lr` per optimizer step."""
+    return functools.partial(lr_factor, warmup_steps=t.warmup_steps, max_steps=t.max_steps,
+                             min_ratio=t.min_lr_ratio)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(t))
+
+
+def make_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | None:
+    # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
+    return torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
+
+
+def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    scaler: torch.amp.GradScaler | None, max_grad_norm: float | None) -> torch.Tensor:
+    """Unscale, clip, step, advance the schedule, clear the gradients; returns the pre-clip gradient norm."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else math.inf)
+    if scaler is not None:
+        scaler.step(optimizer)  # skips the step when the unscaled gradients hold inf/nan
+        scaler.update()
+    else:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def restore_schedule(scheduler: Any, scaler: torch.amp.GradScaler | None, state: dict[str, Any]) -> None:
+    """The schedule's position and the loss scale from a training checkpoint's state."""
+    sched = dict(state["scheduler"])
+    sched.pop("lr_lambdas", None)  # ours is rebuilt from the config (max_steps may have grown)
+    scheduler.load_state_dict({**scheduler.state_dict(), **sched})
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+
+
+def memory_now(device: torch.device) -> tuple[int, int]:
+    """(peak since the last call, current) bytes: the CUDA allocator on GPU, process RSS on CPU."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return int(peak), int(torch.cuda.memory_allocated(device))
+    rss = psutil.Process().memory_info().rss
+    return int(rss), int(rss)
+
+
+def step_metrics(loss: float, lr: float, grad_norm: float, tokens: int, seconds: float,
+                 memory: tuple[int, int]) -> dict[str, float]:
+    """What every trainer logs for an optimizer step (the names the MLflow charts and the README use)."""
+    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / seconds,
+            "step_time_s": seconds, "memory_peak_bytes": memory[0], "memory_current_bytes": memory[1]}
