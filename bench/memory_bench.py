@@ -9,9 +9,10 @@ micro-batch free, once with it fixed, so the policy-only planner is visible too)
 Memory is measured with memfit's tracker (torch's MemTracker) on real tensors, one steady-state step per
 mode; time is the median over rounds of blocks of consecutive steps per mode (never interleaved single
 steps), as a ratio to no checkpointing measured in the same rounds. By default time is this process's CPU
-time on one torch thread: on a shared machine, other processes stretch wall time but not CPU time.
+time on one torch thread: other processes stretch it less than wall time, but they still share caches and
+memory bandwidth (a loaded machine measured full checkpointing 2-3% slower): run it on an idle machine.
 
-    PYTHONPATH=. python bench/memory_bench.py            # ~5 min on 2 cores; writes bench/out/
+    PYTHONPATH=. python bench/memory_bench.py            # ~12 min on 2 cores; writes bench/out/
     PYTHONPATH=. python bench/memory_bench.py --quick    # smaller and shorter, to try it out
 """
 
@@ -80,7 +81,8 @@ def set_mode(model, mode: Mode) -> None:
 
 def batches_for(stack: Stack, vocab: int, seq: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (stack.micro_batch_size, seq), generator=gen) for _ in range(stack.grad_accum_steps)]
+    shape = (stack.micro_batch_size, seq)
+    return [torch.randint(0, vocab, shape, generator=gen) for _ in range(stack.grad_accum_steps)]
 
 
 def measure_memory(model, optimizer, mode: Mode, args) -> None:
@@ -114,7 +116,8 @@ def time_blocks(model, optimizer, modes: list[Mode], args) -> None:
 
 def planner_modes(est: Estimator, n: int, none: Estimate, fracs: list[float], batch: int) -> list[Mode]:
     base = Stack("fp32", batch, 1, False)
-    stacks = [Stack("fp32", m, batch // m, False) for m in (batch, batch // 2, batch // 4, 1) if m >= 1 and batch % m == 0]
+    micros = [m for m in (batch, batch // 2, batch // 4, 1) if m >= 1 and batch % m == 0]
+    stacks = [Stack("fp32", m, batch // m, False) for m in micros]
     every = assignments(n)
     by_stack = {s: [est.estimate(s, k) for k in every] for s in dict.fromkeys(stacks)}
     out = []
@@ -142,6 +145,7 @@ def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def write_outputs(modes: list[Mode], none: Mode, full: Mode, args, out: Path, extra: dict) -> str:
+    """`full` is the Hugging Face switch (the issue's reference); memfit's own full policy is checked too."""
     base_t = statistics.median(none.blocks_s)
     full_ratio = statistics.median(full.blocks_s) / base_t
     rows = ["| mode | what | activations MB (est) | act % of none | peak MB (est) | step time x none (pred) |",
@@ -162,11 +166,22 @@ def write_outputs(modes: list[Mode], none: Mode, full: Mode, args, out: Path, ex
                      "step_seconds_blocks": m.blocks_s, "budget_frac": m.budget_frac})
     table = "\n".join(rows)
     checks = []
-    checks.append(("full: activations <= 10% of none", full.measured_act <= 0.10 * none.measured_act,
-                   f"{100 * full.measured_act / none.measured_act:.1f}%"))
-    checks.append(("full: step time <= 1.30x none", full_ratio <= 1.30, f"{full_ratio:.3f}x"))
     for m in modes:
-        if m.budget_frac == 0.55:
+        if m.kinds is None or m.name == "full":
+            r = statistics.median(m.blocks_s) / base_t
+            checks.append((f"{m.name}: activations <= 10% of none", m.measured_act <= 0.10 * none.measured_act,
+                           f"{100 * m.measured_act / none.measured_act:.1f}%"))
+            checks.append((f"{m.name}: step time <= 1.30x none", r <= 1.30, f"{r:.3f}x"))
+    for m in modes:
+        if m.budget_frac == 0.55 and "fixed" in m.name:
+            # An extra row, not a target: the policy-only planner (recompute alone, no smaller micro-batch).
+            r = statistics.median(m.blocks_s) / base_t
+            checks.append((f"{m.name}: activations <= budget", m.measured_act <= 0.55 * none.measured_act,
+                           f"{100 * m.measured_act / none.measured_act:.1f}% of none"))
+            extra.setdefault("info", []).append(
+                f"{m.name}: overhead {100 * (r - 1):+.1f}% vs full's {100 * (full_ratio - 1):+.1f}% (not a target: "
+                "recompute alone, the micro-batch held fixed)")
+        elif m.budget_frac == 0.55:
             r = statistics.median(m.blocks_s) / base_t
             ok_mem = m.measured_act <= 0.55 * none.measured_act
             ok_t = (r - 1) <= (full_ratio - 1) / 3
@@ -182,9 +197,11 @@ def write_outputs(modes: list[Mode], none: Mode, full: Mode, args, out: Path, ex
     checks.append(("Llama-3-8B-shaped estimate < 60 s", extra["llama3_8b_seconds"] < 60,
                    f"{extra['llama3_8b_seconds']:.1f} s"))
     check_md = "\n".join(f"- {'PASS' if ok else 'MISS'}: {what} ({val})" for what, ok, val in checks)
+    check_md += "".join(f"\n- info: {line}" for line in extra.get("info", []))
     head = (f"Workload: Llama {args.layers} blocks x hidden {args.hidden}, batch {args.batch}, seq {args.seq}, fp32, "
             f"CPU ({torch.get_num_threads()} thread(s)); time = {args.clock} time, median of {args.rounds} rounds x "
-            f"{args.steps} steps per mode; none = {base_t:.3f} s/step. Measured first, the estimator's prediction in parentheses.")
+            f"{args.steps} steps per mode; none = {base_t:.3f} s/step. Measured first, the estimator's prediction in "
+            "parentheses.")
     md = f"{head}\n\n{table}\n\nTargets:\n\n{check_md}\n"
     (out / "memory_bench.md").write_text(md)
     (out / "memory_bench.json").write_text(json.dumps({"args": vars(args), "rows": data, **extra,
@@ -258,7 +275,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=4, help="steps per timed block")
-    ap.add_argument("--rounds", type=int, default=3, help="blocks per mode (median taken)")
+    ap.add_argument("--rounds", type=int, default=5, help="blocks per mode (median taken)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is exact)")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="process CPU time or wall time")
     ap.add_argument("--out", default="bench/out")
