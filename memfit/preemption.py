@@ -59,3 +59,17 @@ def stop_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) 
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextmanager
+def save_on_signal(sig: int = signal.SIGUSR1) -> Iterator[threading.Event]:
+    """Yield an Event set by `sig`: a request for an extra training checkpoint (a rank's rebalance notice)."""
+    requested = threading.Event()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(sig, lambda signum, frame: requested.set())
+    try:
+        yield requested
+    finally:
+        if previous is not None:
+            signal.signal(sig, previous)

@@ -27,6 +27,7 @@ log = logging.getLogger("memfit.distributed")
 REPORT_FILE = "report.json"
 RUN_ID_FILE = "mlflow-run-id"
 ERRORS_DIR = "errors"
+READY_DIR = "ready"  # one file per rank PID: its signal handlers are installed
 
 
 class Job(BaseModel):
@@ -98,6 +99,12 @@ def _die_with_parent_hook() -> Any:
     return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def mark_ready(jdir: Path) -> None:
+    """Called by each rank once its handlers are installed: the launcher may send it SIGUSR1 from now on."""
+    (jdir / READY_DIR).mkdir(parents=True, exist_ok=True)
+    (jdir / READY_DIR / str(os.getpid())).touch()
+
+
 def _forward_stop(proc: subprocess.Popen[Any]) -> None:
     """Send SIGTERM to every rank (torchrun's children): they agree at the next step, save and exit 75."""
     import psutil
@@ -114,6 +121,26 @@ def _forward_stop(proc: subprocess.Popen[Any]) -> None:
     log.warning("stop requested: forwarded SIGTERM to %d training processes", len(ranks))
 
 
+def _forward_save(proc: subprocess.Popen[Any], jdir: Path) -> bool:
+    """SIGUSR1 to every rank once each has its handler (before that it would end the rank); True when sent."""
+    import psutil
+
+    try:
+        ranks = psutil.Process(proc.pid).children()  # torchrun's own children are the ranks
+    except psutil.NoSuchProcess:
+        return False
+    ready = {p.name for p in (jdir / READY_DIR).glob("*")}
+    if not ranks or any(str(r.pid) not in ready for r in ranks):
+        return False
+    for rank in ranks:
+        try:
+            rank.send_signal(signal.SIGUSR1)
+        except psutil.NoSuchProcess:
+            pass
+    log.warning("save requested (spot rebalance recommendation): forwarded to %d training processes", len(ranks))
+    return True
+
+
 def _pump(stream: Any, tail: collections.deque[str]) -> None:
     # Rank output goes through our logger, so it reaches the Prefect task's log, not only a terminal.
     for raw in iter(stream.readline, ""):
@@ -123,8 +150,9 @@ def _pump(stream: Any, tail: collections.deque[str]) -> None:
             log.info("%s", line)
 
 
-def run_torchrun(cfg: MemfitConfig, job: Job, stop: threading.Event | None = None) -> int:
-    """Run this node's ranks to the end; forward a stop request to them. Returns torchrun's exit code."""
+def run_torchrun(cfg: MemfitConfig, job: Job, stop: threading.Event | None = None,
+                 save_request: threading.Event | None = None) -> int:
+    """Run this node's ranks to the end; forward stop and save requests to them. Returns torchrun's exit code."""
     jdir = Path(job.job_dir)
     job_path = jdir / "job.json"
     job.write(job_path)
@@ -146,6 +174,8 @@ def run_torchrun(cfg: MemfitConfig, job: Job, stop: threading.Event | None = Non
             if stop is not None and stop.is_set() and not forwarded:
                 _forward_stop(proc)
                 forwarded = True
+            elif save_request is not None and save_request.is_set() and _forward_save(proc, jdir):
+                save_request.clear()  # otherwise kept until every rank is ready for it
             time.sleep(0.1)
     except BaseException:
         proc.terminate()  # torchrun stops its ranks (SIGTERM: they save, then are killed after 30 s)
@@ -160,7 +190,8 @@ def run_torchrun(cfg: MemfitConfig, job: Job, stop: threading.Event | None = Non
 def prepare_job_dir(cfg: MemfitConfig) -> Path:
     jdir = job_dir(cfg)
     (jdir / ERRORS_DIR).mkdir(parents=True, exist_ok=True)
-    for stale in [jdir / REPORT_FILE, jdir / RUN_ID_FILE, *(jdir / ERRORS_DIR).glob("*.json")]:
+    for stale in [jdir / REPORT_FILE, jdir / RUN_ID_FILE, *(jdir / ERRORS_DIR).glob("*.json"),
+                  *(jdir / READY_DIR).glob("*")]:
         stale.unlink(missing_ok=True)  # a result from an earlier attempt must not pass for this one's
     if cfg.distributed.nnodes > 1 and cfg.distributed.node_rank == 0:
         _store(cfg).delete(store_report_key(cfg))
@@ -226,11 +257,12 @@ def train_distributed(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint,
               resume=resume.model_dump(mode="json"),
               probe=probe_report.model_dump(mode="json") if probe_report else None, job_dir=str(jdir))
     try:
-        # One spot watcher per node, here: a notice sets `stop`, which run_torchrun forwards to every rank as
-        # SIGTERM; the ranks agree on it at the next step and save together. (A rebalance recommendation with
-        # on_rebalance=save is only logged: the ranks have no way to be asked for an extra save.)
-        with stop_on_signals() as stop, spot_watcher(cfg.checkpoint.spot, stop):
-            code = run_torchrun(cfg, job, stop)
+        # One spot watcher per node, here: an interruption notice sets `stop`, forwarded to every rank as
+        # SIGTERM; a rebalance recommendation (on_rebalance=save) sets `save_request`, forwarded as SIGUSR1.
+        # The ranks agree on either at the end of the step and save together.
+        save_request = threading.Event()
+        with stop_on_signals() as stop, spot_watcher(cfg.checkpoint.spot, stop, save_request):
+            code = run_torchrun(cfg, job, stop, save_request)
         return outcome(cfg, jdir, code, (stop.reason or "stop requested") if stop.is_set() else None)
     except (DistributedError, errors.MemfitError) as err:
         if not isinstance(err, Preempted):

@@ -190,7 +190,9 @@ class DistTrainer:
         self.step += 1
         return loss_sum, grad_norm_value(norm)
 
-    def fit(self, stop: threading.Event) -> TrainReport:
+    def fit(self, stop: threading.Event, save_request: threading.Event | None = None) -> TrainReport:
+        """Train to train.max_steps. Each step one all-reduce carries the loss and two flags: any rank told to
+        stop (all save and end) and any rank asked for a save (a spot rebalance notice: all save, go on)."""
         import torch.distributed as dist
 
         t, ck = self.cfg.train, self.cfg.checkpoint
@@ -205,11 +207,15 @@ class DistTrainer:
             self.model.train()
             loss_sum, grad_norm = self._optimizer_step()
             _test_fault(self.info.rank, self.step)
-            # One collective per step: the global mean loss, and whether any rank was told to stop.
-            flags = torch.stack([loss_sum, torch.tensor(float(stop.is_set()), device=loss_sum.device)])
+            # One collective per step: the global mean loss, whether any rank was told to stop or to save.
+            asked = save_request is not None and save_request.is_set()
+            if asked:
+                save_request.clear()  # type: ignore[union-attr]
+            flags = torch.stack([loss_sum, torch.tensor(float(stop.is_set()), device=loss_sum.device),
+                                 torch.tensor(float(asked), device=loss_sum.device)])
             dist.all_reduce(flags)
             last_loss = float(flags[0]) / self.info.world_size
-            agreed_stop = float(flags[1]) > 0
+            agreed_stop, agreed_save = float(flags[1]) > 0, float(flags[2]) > 0
             dt = time.perf_counter() - t0
             run_tokens += tokens_per_step
             if self.step % t.log_every_steps == 0 or self.step == t.max_steps:
@@ -226,7 +232,10 @@ class DistTrainer:
                 log.warning("rank %d: stop agreed at step %d (a rank received a stop signal): saving",
                             self.info.rank, self.step)
                 break
-            if self.step % ck.every_steps == 0 and self.step < t.max_steps:
+            if (self.step % ck.every_steps == 0 or agreed_save) and self.step < t.max_steps:
+                if agreed_save:
+                    log.info("rank %d: save requested at step %d (spot rebalance recommendation)", self.info.rank,
+                             self.step)
                 self.save(blocking=False)
         # The final (or preemption) save is synchronous: the processes end right after it.
         self.save(blocking=True)

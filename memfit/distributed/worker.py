@@ -46,7 +46,8 @@ def _agree(info: Any, job_plan: dict[str, Any], resume: ResumePoint) -> dict[str
     return box[0]
 
 
-def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> TrainReport:
+def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event, save_request: threading.Event
+         ) -> TrainReport:
     from memfit import pipeline
     from memfit.datacache import cached_data
     from memfit.dist_checkpoint import ShardedCheckpointer
@@ -96,7 +97,7 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event) -> Train
         if resume.local_dir:
             trainer.restore(Path(resume.local_dir))
             log.info("resumed from %s at step %d on %d ranks", resume.source_uri, trainer.step, info.world_size)
-        result = trainer.fit(stop)
+        result = trainer.fit(stop, save_request)
         checkpointer.close()
     except BaseException:
         # Bounded: torchrun stops the other ranks 30 s after the first one exits.
@@ -149,10 +150,10 @@ def _exit(code: int, clean: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from memfit.distributed.launch import Job
+    from memfit.distributed.launch import Job, mark_ready
     from memfit.distributed.strategies import init_process_group
     from memfit.pipeline import set_telemetry_off
-    from memfit.preemption import stop_on_signals
+    from memfit.preemption import save_on_signal, stop_on_signals
 
     args = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
@@ -165,9 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     job = Job.read(Path(args[0]))
     try:
         cfg = from_dict(job.config, "job config")
-        with stop_on_signals() as stop:
+        with stop_on_signals() as stop, save_on_signal() as save_request:
+            mark_ready(Path(job.job_dir))  # from now on SIGUSR1 asks for a save instead of ending this process
             info = init_process_group(cfg.distributed.backend, cfg.train.device, cfg.distributed.timeout_minutes)
-            result = _run(job, cfg, info, stop)
+            result = _run(job, cfg, info, stop, save_request)
     except BaseException as err:
         log.error("rank %d failed: %s", rank, err, exc_info=not isinstance(err, (ConfigError,)))
         _write_error(Path(job.job_dir), rank, err)

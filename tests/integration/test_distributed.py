@@ -1,6 +1,6 @@
 """Two CPU processes under torchrun (gloo): losses match one process, sharded training checkpoints resume on
-2 and on 1 process, SIGTERM on one rank or a spot notice stops all of them with a save, a rank crash fails
-loudly."""
+2 and on 1 process, SIGTERM on one rank or a spot notice stops all of them with a save (a rebalance
+recommendation only saves), a rank crash fails loudly."""
 
 from __future__ import annotations
 
@@ -156,8 +156,9 @@ def test_ddp_on_s3_rank_crash_fails_loudly_and_rerun_resumes(tmp_path, work, ref
     _assert_close(_losses(cfg, run.info.run_id), reference, range(1, STEPS + 1))
 
 
-def test_spot_notice_stops_every_rank_with_a_save(tmp_path, work):
-    """The launcher's spot watcher (one per node) forwards an interruption notice to both ranks."""
+def test_spot_rebalance_saves_and_interruption_stops_every_rank(tmp_path, work):
+    """The launcher's spot watcher (one per node) forwards a rebalance recommendation (all ranks save and go
+    on) and then an interruption notice (all ranks save and stop) to both ranks."""
     import re
     import threading
     import time
@@ -170,18 +171,23 @@ def test_spot_notice_stops_every_rank_with_a_save(tmp_path, work):
 
     imds = FakeMetadata()
     cfg = _cfg(tmp_path, work, **{"distributed.nproc_per_node": 2, "distributed.strategy": "ddp",
-                                  "train.max_steps": 60, "checkpoint.every_steps": 100,
+                                  "train.max_steps": 100, "checkpoint.every_steps": 1000, "checkpoint.keep_last": 5,
                                   "checkpoint.spot.enabled": True, "checkpoint.spot.metadata_url": imds.url,
                                   "checkpoint.spot.poll_seconds": 0.1})
-    run_id_file = job_dir(cfg) / RUN_ID_FILE
+    run_id_file, manager = job_dir(cfg) / RUN_ID_FILE, CheckpointManager(open_store(cfg.checkpoint.uri))
 
-    def notice_once_training() -> None:  # rank 0 opens its MLflow run just before its first step
-        deadline = time.monotonic() + 600
-        while not run_id_file.is_file() and time.monotonic() < deadline:
+    def wait_for(what, seconds: float = 600) -> None:
+        deadline = time.monotonic() + seconds
+        while not what() and time.monotonic() < deadline:
             time.sleep(0.05)
+
+    def notices() -> None:
+        wait_for(run_id_file.is_file)  # rank 0 opens its MLflow run just before its first step
+        imds.rebalance = {"noticeTime": "2026-11-30T11:58:00Z"}
+        wait_for(lambda: bool(manager.list()))
         imds.instance_action = {"action": "terminate", "time": "2026-11-30T12:02:00Z"}
 
-    threading.Thread(target=notice_once_training, daemon=True).start()
+    threading.Thread(target=notices, daemon=True).start()
     try:
         with pytest.raises(Preempted, match=r"all 2 ranks saved") as info:
             _train(cfg)
@@ -189,9 +195,11 @@ def test_spot_notice_stops_every_rank_with_a_save(tmp_path, work):
         imds.close()
     assert info.value.exit_code == 75
     stopped_at = int(re.search(r"preempted at step (\d+)", str(info.value)).group(1))
-    committed = [c.step for c in CheckpointManager(open_store(cfg.checkpoint.uri)).list()]
-    assert committed == [stopped_at] and 1 <= stopped_at < 60  # saved on the notice, long before the end
-    assert any(path.endswith("instance-action") for _, path, _ in imds.requests)
+    committed = [c.step for c in manager.list()]
+    # One save on the recommendation, one on the notice; none from every_steps, long before max_steps.
+    assert len(committed) == 2 and 1 <= committed[0] < committed[1] == stopped_at < 100, committed
+    paths = {path for _, path, _ in imds.requests}
+    assert any(p.endswith("instance-action") for p in paths) and any(p.endswith("rebalance") for p in paths)
     (run,) = _runs(cfg)
     assert run.data.tags["memfit.status"] == "preempted"
 

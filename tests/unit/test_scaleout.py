@@ -274,6 +274,46 @@ def test_a_stop_request_reaches_every_rank_process(tmp_path, monkeypatch):
     assert (tmp_path / "rank0").read_text() == "TERM" and (tmp_path / "rank1").read_text() == "TERM"
 
 
+def test_a_save_request_waits_until_every_rank_is_ready_for_it(tmp_path, monkeypatch):
+    """SIGUSR1 would end a rank that has not installed its handler yet: the launcher holds the request until
+    every rank has marked itself ready, then each rank gets it once."""
+    import sys
+    import threading
+    import time
+
+    from memfit.distributed import launch
+
+    # Stand-in ranks: rank 1 is slow to start; each records SIGUSR1s, marks itself ready, exits after a while.
+    rank = ("import os, signal, sys, time, pathlib\n"
+            "out = pathlib.Path(sys.argv[1])\n"
+            "time.sleep(float(sys.argv[2]))\n"
+            "signal.signal(signal.SIGUSR1, lambda *_: out.write_text(out.read_text() + 'USR1'))\n"
+            "out.write_text('')\n"
+            "from memfit.distributed.launch import mark_ready\n"
+            "mark_ready(pathlib.Path(sys.argv[3]))\n"
+            "end = time.monotonic() + 4\n"
+            "while time.monotonic() < end: time.sleep(0.05)\n")
+    runner = ("import subprocess, sys\n"
+              f"ps = [subprocess.Popen([sys.executable, '-c', {rank!r}, r'{tmp_path}/rank' + str(i), str(i * 2),"
+              f" r'{tmp_path}']) for i in (0, 1)]\n"
+              "sys.exit(max(p.wait() for p in ps))\n")
+    monkeypatch.setattr(launch, "torchrun_command", lambda cfg, job_path: [sys.executable, "-c", runner])
+    cfg = _cfg("distributed.nproc_per_node=2")
+    job = launch.Job(config={}, plan={}, resume={}, job_dir=str(tmp_path))
+    save_request = threading.Event()
+
+    def request_as_soon_as_rank0_is_up() -> None:
+        while not (tmp_path / "rank0").exists():
+            time.sleep(0.02)
+        save_request.set()  # rank 1 is still asleep, without a handler: SIGUSR1 now would kill it
+
+    threading.Thread(target=request_as_soon_as_rank0_is_up, daemon=True).start()
+    code = launch.run_torchrun(cfg, job, threading.Event(), save_request)
+    assert code == 0  # no rank was killed by an early signal
+    assert (tmp_path / "rank0").read_text() == "USR1" and (tmp_path / "rank1").read_text() == "USR1"
+    assert not save_request.is_set()
+
+
 def test_multinode_manifest_starts_nodes_1_to_n_minus_1(tmp_path):
     import subprocess
 
