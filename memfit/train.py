@@ -33,6 +33,16 @@ from memfit.tracking.base import Tracker
 log = logging.getLogger("memfit.train")
 
 
+def fit_report(trainer: Any, start: int, preempted: bool, last_loss: float | None, peak_mem: int, run_tokens: int,
+               elapsed: float, last_checkpoint_uri: str | None, **extra: Any) -> TrainReport:
+    """What a trainer's `fit` did, for the flow (single process, or rank 0 of several)."""
+    return TrainReport(
+        mlflow_run_id=trainer.tracker.run_id or "", start_step=start, steps=trainer.step,
+        resumed_from=trainer.resumed_from, preempted=preempted, initial_val_loss=trainer.initial_val_loss,
+        final_train_loss=last_loss, tokens_per_s=(run_tokens / elapsed) if run_tokens else None,
+        peak_memory_bytes=peak_mem, last_checkpoint_uri=last_checkpoint_uri, **extra)
+
+
 def log_initial_val_loss(trainer: Any) -> None:
     """The validation loss before the first step (MLflow step 0), once per run: a resumed run keeps its own."""
     if trainer.initial_val_loss is None:
@@ -196,16 +206,11 @@ class Trainer:
             self.save(blocking=True, deadline=deadline)
         self._log_committed()
         self.tracker.flush()
-        elapsed = time.perf_counter() - run_t0
         latest = self.checkpoints.list()
-        return TrainReport(
-            mlflow_run_id=self.tracker.run_id or "", start_step=start, steps=self.step,
-            resumed_from=self.resumed_from, preempted=preempted,
-            initial_val_loss=self.initial_val_loss, final_train_loss=last_loss,
-            tokens_per_s=(run_tokens / elapsed) if run_tokens else None, peak_memory_bytes=peak_mem,
-            last_checkpoint_uri=latest[-1].uri if latest else None,
-            preempt_reason=getattr(stop, "reason", None) if preempted else None,
-            checkpoint_stats=self.checkpoints.stats.to_dict())
+        return fit_report(self, start, preempted, last_loss, peak_mem, run_tokens, time.perf_counter() - run_t0,
+                          latest[-1].uri if latest else None,
+                          preempt_reason=getattr(stop, "reason", None) if preempted else None,
+                          checkpoint_stats=self.checkpoints.stats.to_dict())
 
 
 @torch.no_grad()

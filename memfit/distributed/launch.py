@@ -113,11 +113,7 @@ def _forward_stop(proc: subprocess.Popen[Any]) -> None:
         ranks = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return
-    for child in ranks:
-        try:
-            child.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
+    _send(ranks, signal.SIGTERM)
     log.warning("stop requested: forwarded SIGTERM to %d training processes", len(ranks))
 
 
@@ -132,13 +128,19 @@ def _forward_save(proc: subprocess.Popen[Any], jdir: Path) -> bool:
     ready = {p.name for p in (jdir / READY_DIR).glob("*")}
     if not ranks or any(str(r.pid) not in ready for r in ranks):
         return False
-    for rank in ranks:
-        try:
-            rank.send_signal(signal.SIGUSR1)
-        except psutil.NoSuchProcess:
-            pass
+    _send(ranks, signal.SIGUSR1)
     log.warning("save requested (spot rebalance recommendation): forwarded to %d training processes", len(ranks))
     return True
+
+
+def _send(processes: list[Any], sig: int) -> None:
+    import psutil
+
+    for p in processes:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass  # ended meanwhile
 
 
 def _pump(stream: Any, tail: collections.deque[str]) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit import optim
 from memfit.config import MemfitConfig
 from memfit.data import BatchOrder, DataBundle
 from memfit.dist_checkpoint import ShardedCheckpointer, load_into, rng_from_payload, rng_payload
@@ -27,19 +28,10 @@ from memfit.distributed.strategies import (
     wrap_fsdp2,
 )
 from memfit.memory.probe import autocast_context
-from memfit.optim import (
-    apply_gradients,
-    make_adamw,
-    make_scaler,
-    make_scheduler,
-    memory_now,
-    restore_schedule,
-    step_metrics,
-)
 from memfit.reports import TrainReport
 from memfit.schedule import capture_rng, restore_rng, seed_everything
 from memfit.tracking.base import Tracker
-from memfit.train import evaluate_loss, log_initial_val_loss
+from memfit.train import evaluate_loss, fit_report, log_initial_val_loss
 
 log = logging.getLogger("memfit.distributed")
 
@@ -79,9 +71,9 @@ class DistTrainer:
             raise ValueError(f"DistTrainer runs ddp or fsdp2, not {strategy}")
         # FSDP2 computes in bf16 through its mixed-precision policy; DDP autocasts like one process does.
         self.autocast_precision = "fp32" if strategy == "fsdp2" and precision == "bf16-mixed" else precision
-        self.optimizer = make_adamw(self.model, t.lr, t.weight_decay)
-        self.scheduler = make_scheduler(self.optimizer, t)
-        self.scaler = make_scaler(info.device, precision)
+        self.optimizer = optim.make_adamw(self.model, t.lr, t.weight_decay)
+        self.scheduler = optim.make_scheduler(self.optimizer, t)
+        self.scaler = optim.make_scaler(info.device, precision)
         self._start_position()
 
     def _start_position(self) -> None:
@@ -123,7 +115,7 @@ class DistTrainer:
             state, rng = load_into(folder, self.model, self.optimizer, self.info.rank)
         else:
             state, rng = self._restore_single(folder)
-        restore_schedule(self.scheduler, self.scaler, state)
+        optim.restore_schedule(self.scheduler, self.scaler, state)
         self.order.load_state_dict(state["data_order"])
         self.step = int(state["step"])
         if rng is not None:
@@ -186,7 +178,7 @@ class DistTrainer:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach().float()
         self.tokens_seen += t.micro_batch_size * t.grad_accum_steps * self.data.train.shape[1]
-        norm = apply_gradients(self.model, self.optimizer, self.scheduler, self.scaler, t.max_grad_norm)
+        norm = optim.apply_gradients(self.model, self.optimizer, self.scheduler, self.scaler, t.max_grad_norm)
         self.step += 1
         return loss_sum, grad_norm_value(norm)
 
@@ -219,9 +211,9 @@ class DistTrainer:
             dt = time.perf_counter() - t0
             run_tokens += tokens_per_step
             if self.step % t.log_every_steps == 0 or self.step == t.max_steps:
-                memory = memory_now(self.info.device)
+                memory = optim.memory_now(self.info.device)
                 peak_mem = max(peak_mem, memory[0])
-                self.tracker.log_metrics(step_metrics(last_loss, self.scheduler.get_last_lr()[0], grad_norm,
+                self.tracker.log_metrics(optim.step_metrics(last_loss, self.scheduler.get_last_lr()[0], grad_norm,
                                                       tokens_per_step, dt, memory), step=self.step)
             if self.info.is_main and (self.step % max(1, t.max_steps // 10) == 0 or self.step == t.max_steps):
                 log.info("step %d/%d: loss %.4f, %.0f tokens/s on %d ranks", self.step, t.max_steps, last_loss,
@@ -240,11 +232,5 @@ class DistTrainer:
         # The final (or preemption) save is synchronous: the processes end right after it.
         self.save(blocking=True)
         self.tracker.flush()
-        elapsed = time.perf_counter() - run_t0
-        latest = self.checkpointer.committed_uri()
-        return TrainReport(
-            mlflow_run_id=self.tracker.run_id or "", start_step=start, steps=self.step,
-            resumed_from=self.resumed_from, preempted=preempted,
-            initial_val_loss=self.initial_val_loss, final_train_loss=last_loss,
-            tokens_per_s=(run_tokens / elapsed) if run_tokens else None, peak_memory_bytes=peak_mem,
-            last_checkpoint_uri=latest)
+        return fit_report(self, start, preempted, last_loss, peak_mem, run_tokens, time.perf_counter() - run_t0,
+                          self.checkpointer.committed_uri())
