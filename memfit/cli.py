@@ -60,8 +60,10 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False)
         from memfit.pipeline import preflight
 
         preflight(cfg)  # unwritable outputs, a missing bucket, bad credentials: one line, before Prefect starts
+        from flows.ephemeral import bind_ephemeral_server
         from flows.finetune import finetune
 
+        bind_ephemeral_server()  # no PREFECT_API_URL: a server that cannot outlive this process
         summary = finetune(config=cfg)
     except MemfitError as err:
         _fail(err)

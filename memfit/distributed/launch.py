@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from memfit import errors
 from memfit.config import MemfitConfig
 from memfit.errors import DistributedError, Preempted
+from memfit.procs import die_with_parent_hook
 from memfit.reports import PlanReport, ProbeReport, ResumePoint, TrainReport
 
 log = logging.getLogger("memfit.distributed")
@@ -79,24 +80,6 @@ def torchrun_command(cfg: MemfitConfig, job_path: Path, python: str = sys.execut
         cmd += [f"--node-rank={d.node_rank}", f"--rdzv-backend={d.rdzv_backend}",
                 f"--rdzv-endpoint={d.rdzv_endpoint}", f"--rdzv-id={d.rdzv_id or cfg.run.name}"]
     return cmd + ["-m", "memfit.distributed.worker", str(job_path)]
-
-
-def _die_with_parent_hook() -> Any:
-    """A preexec_fn for torchrun: if this process dies, the kernel sends torchrun SIGTERM (Linux).
-
-    torchrun runs in its own session (a terminal's Ctrl-C must reach the ranks only through us), so
-    without this it would outlive a killed flow process with its ranks. libc is resolved here, before the
-    fork: the hook itself only makes one system call (no imports or locks in the forked child).
-    """
-    if sys.platform != "linux":
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except OSError:
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def mark_ready(jdir: Path) -> None:
@@ -166,8 +149,10 @@ def run_torchrun(cfg: MemfitConfig, job: Job, stop: threading.Event | None = Non
     env.setdefault("OMP_NUM_THREADS", str(cfg.train.num_threads or max(
         1, min(4, (os.cpu_count() or 1) // cfg.distributed.nproc_per_node))))
     tail: collections.deque[str] = collections.deque(maxlen=40)
+    # torchrun gets its own session (a terminal's Ctrl-C must reach the ranks only through us) and is tied to
+    # this process's life: a killed flow process does not leave torchrun and its ranks running.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True, preexec_fn=_die_with_parent_hook())  # noqa: PLW1509
+                            start_new_session=True, preexec_fn=die_with_parent_hook())  # noqa: PLW1509
     pump = threading.Thread(target=_pump, args=(proc.stdout, tail), daemon=True, name="memfit-torchrun-log")
     pump.start()
     forwarded = False

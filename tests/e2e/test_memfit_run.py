@@ -59,3 +59,36 @@ def test_memfit_run_tiny_json(tmp_path):
     ckpts = sorted(p.name for p in Path(out["checkpoint_uri"]).iterdir()) if not out["checkpoint_uri"].startswith(
         "s3://") else []
     assert ckpts[-1] == "step-00000060"
+
+
+def test_sigkilled_run_takes_its_ephemeral_prefect_server_along(tmp_path):
+    """An out-of-memory kill skips Prefect's own clean-up: the server must still not outlive `memfit run`."""
+    import time
+
+    import psutil
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    log = tmp_path / "run.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", "run", "configs/tiny.yaml"], cwd=tmp_path,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while "Beginning flow run" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        servers = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                   if "uvicorn" in " ".join(c.cmdline())]
+        assert len(servers) == 1, log.read_text()[-3000:]
+        proc.kill()  # SIGKILL: no atexit, no finally
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(servers, timeout=20)
+        assert not alive, f"the ephemeral Prefect server outlived the killed run: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in locals().get("servers", []):  # a failed run of this test leaves nothing behind either
+            if p.is_running():
+                p.kill()
