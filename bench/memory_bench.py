@@ -14,6 +14,8 @@ memory bandwidth (a loaded machine measured full checkpointing 2-3% slower): run
 
     PYTHONPATH=. python bench/memory_bench.py            # ~12 min on 2 cores; writes bench/out/
     PYTHONPATH=. python bench/memory_bench.py --quick    # smaller and shorter, to try it out
+    PYTHONPATH=. python bench/memory_bench.py --device cuda --shape llama-3.2-1b   # on a GPU: bf16-mixed,
+                                                         # wall time after a synchronize, batch 8 x 2048
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memfit.config import MemoryConfig  # noqa: E402
 from memfit.memory.compose import Estimate, Stack  # noqa: E402
-from memfit.memory.devices import PROFILES  # noqa: E402
+from memfit.memory.devices import PROFILES, profile_for_report  # noqa: E402
 from memfit.memory.estimate import Estimator  # noqa: E402
 from memfit.memory.plan import assignments, choose, describe  # noqa: E402
 from memfit.memory.policies import EveryKCheckpointing, assign_blocks, find_blocks  # noqa: E402
@@ -57,14 +59,26 @@ class Mode:
     blocks_s: list[float] = field(default_factory=list)
 
 
+# Model shapes (the issue's reference workload, and Llama-3.2-1B's published config.json) with the batch each
+# is measured at; the command line can override any of these.
+SHAPES = {
+    "reference": {"layers": 8, "hidden": 256, "intermediate": 1024, "heads": 4, "kv_heads": 4, "vocab": 512,
+                  "batch": 8, "seq": 256, "tie": False},
+    "llama-3.2-1b": {"layers": 16, "hidden": 2048, "intermediate": 8192, "heads": 32, "kv_heads": 8,
+                     "vocab": 128256, "batch": 8, "seq": 2048, "tie": True},
+}
+
+
 def build(args):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                      max_position_embeddings=max(args.seq, 512), use_cache=False)
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                      max_position_embeddings=max(args.seq, 512), tie_word_embeddings=args.tie, use_cache=False)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg).to(args.device)
+    if args.precision == "bf16-true":
+        model.to(torch.bfloat16)  # pure bf16 weights, as the trainer holds them
     model.train()
     return model
 
@@ -79,10 +93,10 @@ def set_mode(model, mode: Mode) -> None:
         assign_blocks(model, mode.kinds, save_ops=SAVE_OPS)
 
 
-def batches_for(stack: Stack, vocab: int, seq: int, seed: int) -> list[torch.Tensor]:
+def batches_for(stack: Stack, args, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    shape = (stack.micro_batch_size, seq)
-    return [torch.randint(0, vocab, shape, generator=gen) for _ in range(stack.grad_accum_steps)]
+    shape = (stack.micro_batch_size, args.seq)
+    return [torch.randint(0, args.vocab, shape, generator=gen).to(args.device) for _ in range(stack.grad_accum_steps)]
 
 
 def measure_memory(model, optimizer, mode: Mode, args) -> None:
@@ -90,14 +104,17 @@ def measure_memory(model, optimizer, mode: Mode, args) -> None:
     tracker = StepTracker(find_blocks(model))
     tracker.track_external(model, optimizer)
     with tracker:
-        run_step(model, optimizer, batches_for(mode.stack, args.vocab, args.seq, 1), "fp32", tracker)
+        run_step(model, optimizer, batches_for(mode.stack, args, 1), args.precision, tracker)
     res = tracker.result()
     mode.measured_peak = res.peak_bytes
     mode.measured_act = [s.end["activations"] for s in res.segments if s.label.endswith(".fpost")][-1]
 
 
 def clock(args) -> float:
-    # CPU time of this process: on a shared machine other processes stretch wall time, not our CPU time.
+    # CPU time of this process: on a shared machine other processes stretch wall time more than our CPU time.
+    # On a GPU, wall time once the queued kernels have finished.
+    if args.device == "cuda":
+        torch.cuda.synchronize()
     return time.process_time() if args.clock == "cpu" else time.perf_counter()
 
 
@@ -105,19 +122,20 @@ def time_blocks(model, optimizer, modes: list[Mode], args) -> None:
     for r in range(args.rounds):
         for mode in modes:
             set_mode(model, mode)
-            batches = batches_for(mode.stack, args.vocab, args.seq, 2 + r)
-            run_step(model, optimizer, batches, "fp32")  # warm-up in this mode
+            batches = batches_for(mode.stack, args, 2 + r)
+            run_step(model, optimizer, batches, args.precision)  # warm-up in this mode
             t0 = clock(args)
             for _ in range(args.steps):
-                run_step(model, optimizer, batches, "fp32")
+                run_step(model, optimizer, batches, args.precision)
             mode.blocks_s.append((clock(args) - t0) / args.steps)
         print(f"  timing round {r + 1}/{args.rounds} done", flush=True)
 
 
-def planner_modes(est: Estimator, n: int, none: Estimate, fracs: list[float], batch: int) -> list[Mode]:
-    base = Stack("fp32", batch, 1, False)
+def planner_modes(est: Estimator, n: int, none: Estimate, fracs: list[float], batch: int, precision: str
+                  ) -> list[Mode]:
+    base = Stack(precision, batch, 1, False)
     micros = [m for m in (batch, batch // 2, batch // 4, 1) if m >= 1 and batch % m == 0]
-    stacks = [Stack("fp32", m, batch // m, False) for m in micros]
+    stacks = [Stack(precision, m, batch // m, False) for m in micros]
     every = assignments(n)
     by_stack = {s: [est.estimate(s, k) for k in every] for s in dict.fromkeys(stacks)}
     out = []
@@ -198,8 +216,10 @@ def write_outputs(modes: list[Mode], none: Mode, full: Mode, args, out: Path, ex
                    f"{extra['llama3_8b_seconds']:.1f} s"))
     check_md = "\n".join(f"- {'PASS' if ok else 'MISS'}: {what} ({val})" for what, ok, val in checks)
     check_md += "".join(f"\n- info: {line}" for line in extra.get("info", []))
-    head = (f"Workload: Llama {args.layers} blocks x hidden {args.hidden}, batch {args.batch}, seq {args.seq}, fp32, "
-            f"CPU ({torch.get_num_threads()} thread(s)); time = {args.clock} time, median of {args.rounds} rounds x "
+    where = (f"CPU ({torch.get_num_threads()} thread(s))" if args.device == "cpu"
+             else torch.cuda.get_device_name())
+    head = (f"Workload: Llama {args.layers} blocks x hidden {args.hidden}, batch {args.batch}, seq {args.seq}, "
+            f"{args.precision}, {where}; time = {args.clock} time, median of {args.rounds} rounds x "
             f"{args.steps} steps per mode; none = {base_t:.3f} s/step. Measured first, the estimator's prediction in "
             "parentheses.")
     md = f"{head}\n\n{table}\n\nTargets:\n\n{check_md}\n"
@@ -251,8 +271,9 @@ def plot(rows: list[dict], none_act: int, path: Path, title: str) -> None:
 
 
 def plot_title(args) -> str:
-    return (f"Gradient checkpointing on CPU: Llama {args.layers} blocks x {args.hidden}, batch {args.batch} x "
-            f"{args.seq}, fp32 - memory vs time")
+    where = "CPU" if getattr(args, "device", "cpu") == "cpu" else "GPU"
+    return (f"Gradient checkpointing on {where}: Llama {args.layers} blocks x {args.hidden}, batch {args.batch} x "
+            f"{args.seq}, {getattr(args, 'precision', 'fp32')} - memory vs time")
 
 
 def llama3_8b_seconds() -> float:
@@ -268,16 +289,17 @@ def llama3_8b_seconds() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="reference", help="model shape and batch")
+    for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "batch", "seq"):
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="overrides the shape's")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--precision", choices=["fp32", "bf16-mixed", "fp16-mixed", "bf16-true"], default=None,
+                    help="default: fp32 on CPU, bf16-mixed on CUDA")
     ap.add_argument("--steps", type=int, default=4, help="steps per timed block")
     ap.add_argument("--rounds", type=int, default=5, help="blocks per mode (median taken)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is exact)")
-    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="process CPU time or wall time")
+    ap.add_argument("--clock", choices=["cpu", "wall"], default=None,
+                    help="process CPU time or wall time (default: cpu on CPU, wall on CUDA)")
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--quick", action="store_true", help="4 blocks x 128, seq 128, 2 rounds of 2 steps")
     ap.add_argument("--replot", metavar="JSON", help="redraw the PNG from a memory_bench.json, run nothing")
@@ -289,15 +311,25 @@ def main() -> None:
         plot(saved["rows"], none_act, target, plot_title(argparse.Namespace(**saved["args"])))
         print(f"wrote {target}")
         return
+    for key, value in SHAPES[args.shape].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
     if args.quick:
-        args.layers, args.hidden, args.seq, args.steps, args.rounds = 4, 128, 128, 2, 2
+        args.layers, args.hidden, args.intermediate, args.seq, args.steps, args.rounds = 4, 128, 512, 128, 2, 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    args.precision = args.precision or ("fp32" if args.device == "cpu" else "bf16-mixed")
+    args.clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = build(args)
     n = len(find_blocks(model))
-    base = Stack("fp32", args.batch, 1, False)
-    est = Estimator(model.config, args.seq, PROFILES["cpu"], save_ops=SAVE_OPS, anchor_micro_batch=args.batch)
+    base = Stack(args.precision, args.batch, 1, False)
+    profile = PROFILES["cpu"] if args.device == "cpu" else profile_for_report(
+        {"type": "cuda", "name": torch.cuda.get_device_name(), "bf16_supported": torch.cuda.is_bf16_supported(),
+         "memory_total_bytes": torch.cuda.get_device_properties(0).total_memory})
+    est = Estimator(model.config, args.seq, profile, save_ops=SAVE_OPS, anchor_micro_batch=args.batch)
     print("estimating ...", flush=True)
     fixed = [Mode("none", ("none",) * n, base, "no checkpointing"),
              Mode("full (HF gradient_checkpointing_enable)", None, base, "every block, transformers' own switch"),
@@ -308,7 +340,7 @@ def main() -> None:
     for m in fixed:
         m.estimate = est.estimate(m.stack, m.kinds or ("full",) * n)
     none, full = fixed[0], fixed[1]
-    modes = fixed + planner_modes(est, n, none.estimate, [0.25, 0.5, 0.55, 0.75], args.batch)
+    modes = fixed + planner_modes(est, n, none.estimate, [0.25, 0.5, 0.55, 0.75], args.batch, args.precision)
     optimizer = make_optimizer(model)
     init_optimizer_state(optimizer)
     print("measuring memory ...", flush=True)
