@@ -191,7 +191,9 @@ def indexed_optimizer_state(fqn_state: dict[str, Any], param_groups: list[dict[s
 
 def _rng_tensors(payload: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"torch": _bytes_tensor(payload["torch"])}
-    if payload.get("cuda"):
+    if payload.get("cuda_device"):
+        out["cuda"] = _bytes_tensor(payload["cuda_device"])
+    elif payload.get("cuda"):  # written by an earlier memfit: one state per visible GPU
         out["cuda"] = [_bytes_tensor(s) for s in payload["cuda"]]
     return out
 
@@ -242,8 +244,11 @@ def _b64(t: torch.Tensor) -> str:
 
 def rng_payload(rng_json: dict[str, Any], rng_tensors: dict[str, Any]) -> dict[str, Any]:
     out = {"rng": rng_json, "torch": _b64(rng_tensors["torch"])}
-    if "cuda" in rng_tensors:
-        out["cuda"] = [_b64(t) for t in rng_tensors["cuda"]]
+    cuda = rng_tensors.get("cuda")
+    if isinstance(cuda, torch.Tensor):  # this rank's own device
+        out["cuda_device"] = _b64(cuda)
+    elif cuda is not None:
+        out["cuda"] = [_b64(t) for t in cuda]
     return out
 
 

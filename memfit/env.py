@@ -74,7 +74,8 @@ def device_report(device: torch.device) -> dict[str, Any]:
             "capability": f"{props.major}.{props.minor}",
             "memory_total_bytes": int(total),
             "memory_free_bytes": int(free),
-            "bf16_supported": bool(torch.cuda.is_bf16_supported()),
+            # Native bf16 only (Ampere+): pre-Ampere GPUs emulate it, far too slowly to train in.
+            "bf16_supported": bool(torch.cuda.is_bf16_supported(including_emulation=False)),
         }
     vm = psutil.virtual_memory()
     return {

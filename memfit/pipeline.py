@@ -24,7 +24,7 @@ from memfit.datacache import cached_data
 from memfit.env import environment_report, pin_threads, resolve_device
 from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryBudgetError, MemoryLimitError, Preempted
 from memfit.memory.policies import apply_policy, make_policy
-from memfit.memory.probe import explain_oom, measure_step, verdict
+from memfit.memory.probe import explain_oom, measure_step, verdict, weights_to_device
 from memfit.memory.search import estimate_policy, plan_for, plan_table_markdown, resolve_budget, target_profile
 from memfit.modeling import check_seq_len, load_model_and_tokenizer
 from memfit.preemption import stop_on_signals
@@ -127,23 +127,30 @@ def probe(cfg: MemfitConfig) -> ProbeReport:
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
     inputs = load_inputs(cfg)
-    model = inputs.model.to(device)
+    # The report first: the device's free memory before this process puts weights there (the budget and the
+    # measured peak both include them).
     env = environment_report(device, cfg.checkpoint.uri if "://" not in cfg.checkpoint.uri else ".")
+    model = inputs.model
+    if cfg.train.precision == "bf16-true":
+        model.to(torch.bfloat16)  # the trainer holds pure bf16 weights: probe the step it will run
     # One rank's share of the micro-batch: that is what each process holds (all of it with one process).
     micro, seq = cfg.train.micro_batch_size // cfg.distributed.world_size, cfg.data.seq_len
-    with torch.random.fork_rng(devices=[]):  # the probe's batch must not shift the run's RNG stream
-        torch.manual_seed(cfg.train.seed)
-        # Two micro-batches when accumulating: the second runs with the first one's gradients alive.
-        batches = [torch.randint(0, model.config.vocab_size, (micro, seq), device=device)
-                   for _ in range(min(cfg.train.grad_accum_steps, 2))]
     model_config = model.config.to_dict()
-    make_policy("none", block_class=cfg.memory.block_class).apply(model)
-    step = measure_step(model, batches, cfg.train.precision, cfg.train.max_grad_norm)
+    step = weights_to_device(model, device)
+    if step is None:
+        with torch.random.fork_rng(devices=[]):  # the probe's batch must not shift the run's RNG stream
+            torch.manual_seed(cfg.train.seed)
+            # Two micro-batches when accumulating: the second runs with the first one's gradients alive.
+            batches = [torch.randint(0, model.config.vocab_size, (micro, seq)).to(device)
+                       for _ in range(min(cfg.train.grad_accum_steps, 2))]
+        make_policy("none", block_class=cfg.memory.block_class).apply(model)
+        step = measure_step(model, batches, cfg.train.precision, cfg.train.max_grad_norm)
+        del batches
     profile = target_profile(cfg.memory, env["device"])
     budget, source = resolve_budget(cfg.memory, profile, env["device"])
     baseline = verdict(step, budget, source, micro, seq)
     n_params = sum(p.numel() for p in model.parameters())
-    del model, inputs, batches
+    del model, inputs
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if not baseline.fits:

@@ -35,7 +35,8 @@ def capture_rng() -> tuple[dict[str, Any], dict[str, Any]]:
     }
     tensors: dict[str, Any] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        tensors["cuda"] = torch.cuda.get_rng_state_all()
+        # This process's device only: a resume may see another number of GPUs (a new spot host, a rank).
+        tensors["cuda"] = torch.cuda.get_rng_state()
     return json_state, tensors
 
 
@@ -46,4 +47,8 @@ def restore_rng(json_state: dict[str, Any], tensors: dict[str, Any]) -> None:
     np.random.set_state((np_name, np.array(np_keys, dtype=np.uint32), np_pos, np_has_gauss, np_gauss))
     torch.set_rng_state(tensors["torch"])
     if "cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(tensors["cuda"])
+        state = tensors["cuda"]
+        if isinstance(state, (list, tuple)):  # written by an earlier memfit: one state per visible GPU
+            state = state[torch.cuda.current_device()] if torch.cuda.current_device() < len(state) else None
+        if state is not None:
+            torch.cuda.set_rng_state(state)

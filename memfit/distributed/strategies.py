@@ -86,8 +86,10 @@ def check_same_weights(model: nn.Module, info: RankInfo) -> None:
         for p in model.parameters():
             fp[0] += p.detach().double().sum().cpu()
             fp[1] += p.detach().double().abs().sum().cpu()
-    gathered = [torch.zeros_like(fp) for _ in range(info.world_size)]
-    dist.all_gather(gathered, fp.to(info.device) if info.backend == "nccl" else fp)
+    # NCCL gathers device tensors only: the inputs and every output on this rank's GPU.
+    dev = info.device if info.backend == "nccl" else torch.device("cpu")
+    gathered = [torch.zeros_like(fp, device=dev) for _ in range(info.world_size)]
+    dist.all_gather(gathered, fp.to(dev))
     ref = gathered[0].cpu()
     bad = [r for r, g in enumerate(gathered) if not torch.allclose(g.cpu(), ref, rtol=1e-9, atol=0.0)]
     if bad:

@@ -105,11 +105,8 @@ class MemoryReading:
 def _nvml_used(device: torch.device) -> int | None:
     """Memory in use on the whole GPU (all processes, CUDA context included): NVML when present."""
     try:
-        import pynvml  # optional: nvidia-ml-py
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        # torch maps the index through CUDA_VISIBLE_DEVICES to NVML's (cuda:0 may be physical GPU 3).
+        return int(torch.cuda.device_memory_used(device))
     except Exception:  # noqa: BLE001 - no NVML library or no permission: ask the CUDA runtime instead
         try:
             free, total = torch.cuda.mem_get_info(device)

@@ -107,6 +107,9 @@ def _offload_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     if emulation is not None:
         with torch.autograd.graph.saved_tensors_hooks(*emulation):
             return checkpoint(function, *args, use_reentrant=False, **kwargs)
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if first is not None and first.device.type != "cuda":
+        raise ConfigError(_OFFLOAD_NEEDS_CUDA)
     with torch.autograd.graph.save_on_cpu(pin_memory=True):
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
@@ -253,13 +256,18 @@ class SelectiveCheckpointing(_Policy):
         return f"selective per-op: save outputs of {', '.join(self.save_ops)}; recompute the rest"
 
 
+_OFFLOAD_NEEDS_CUDA = ("memory.policy: 'offload' moves saved activations from the GPU to pinned CPU memory and "
+                       "needs a CUDA device; on CPU use 'full' or 'selective'")
+
+
 def _check_offload_device(model: nn.Module) -> None:
+    # The policy is applied before the trainer moves the model to its device: a model still on the CPU is
+    # fine where CUDA exists (a block run on the CPU is refused when it runs, in _offload_checkpoint).
     if OFFLOAD_EMULATION.get() is not None:
         return
     device = next(model.parameters()).device
-    if device.type != "cuda":
-        raise ConfigError("memory.policy: 'offload' moves saved activations from the GPU to pinned CPU "
-                          "memory and needs a CUDA device; on CPU use 'full' or 'selective'")
+    if device.type != "cuda" and not torch.cuda.is_available():
+        raise ConfigError(_OFFLOAD_NEEDS_CUDA)
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,21 @@ def measure_step(model: nn.Module, batches: torch.Tensor | list[torch.Tensor], p
                       method=f"MemTracker (peak at {result.peak_label})")
 
 
+def weights_to_device(model: nn.Module, device: torch.device) -> StepMemory | None:
+    """Move the probe's model to `device`; when the weights alone do not fit, the OOM as a StepMemory."""
+    try:
+        model.to(device)
+    except torch.OutOfMemoryError as err:
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        model.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return StepMemory(peak_bytes=int(peak), oom=True, method="cuda.max_memory_allocated",
+                          error=f"the weights alone do not fit on {device}: {first}")
+    return None
+
+
 def verdict(step: StepMemory, budget_bytes: int | None, budget_source: str, batch_size: int,
             seq_len: int) -> ProbeVerdict:
     """Compare a measured step with the budget and say by how much it does or does not fit."""

@@ -44,6 +44,21 @@ def test_probe_measures_a_real_step(tiny_config):
     assert pipeline.setup_stack(cfg, report).policy == "none"
 
 
+def test_probe_measures_bf16_true_with_bf16_weights_and_reports_weights_that_do_not_fit(tiny_config, monkeypatch):
+    fp32 = pipeline.probe(tiny_config()).baseline["breakdown"]
+    bf16 = pipeline.probe(tiny_config(**{"train.precision": "bf16-true"})).baseline["breakdown"]
+    assert bf16["params"] * 2 == fp32["params"]  # the step the trainer runs: pure bf16 weights
+    # Weights too big for the device: an OOM verdict naming them (and the estimator's breakdown), no step run.
+    from memfit.memory.probe import StepMemory
+
+    oom = StepMemory(peak_bytes=0, oom=True, method="cuda.max_memory_allocated",
+                     error="the weights alone do not fit on cuda: CUDA out of memory. Tried to allocate 16.00 GiB")
+    monkeypatch.setattr(pipeline, "weights_to_device", lambda model, device: oom)
+    b = pipeline.probe(tiny_config()).baseline
+    assert b["oom"] is True and b["fits"] is False
+    assert "the weights alone do not fit on cuda" in b["message"] and "estimator" in b["message"]
+
+
 def test_offload_on_cpu_is_a_clear_error(tiny_config):
     cfg = tiny_config(**{"memory.policy": "offload"})
     report = pipeline.probe(tiny_config())

@@ -135,6 +135,34 @@ def test_configurable_block_class_checkpoints_any_model():
     assert [b.calls for b in model.stack] == [1, 1, 1]
 
 
+def test_offload_applies_before_the_move_to_the_gpu_but_never_runs_on_cpu(monkeypatch):
+    # The trainer moves the model to the GPU after the policy is applied: a CPU model passes where CUDA
+    # exists, and a block that still runs on the CPU is refused when it runs, with the same clear error.
+    model = tiny("llama")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    apply_policy(model, make_policy("offload"))
+    model.train()
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        model(input_ids=torch.randint(0, VOCAB, (2, 8)), labels=torch.randint(0, VOCAB, (2, 8)))
+
+
+def test_weights_that_do_not_fit_become_an_oom_reading(monkeypatch):
+    from memfit.memory.probe import weights_to_device
+
+    class Huge(nn.Module):
+        def to(self, *args, **kwargs):
+            if args and str(args[0]) != "cpu":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+            return self
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 123)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    step = weights_to_device(Huge(), torch.device("cuda"))
+    assert step is not None and step.oom and step.peak_bytes == 123
+    assert step.error.startswith("the weights alone do not fit on cuda: CUDA out of memory")
+    assert weights_to_device(nn.Linear(2, 2), torch.device("cpu")) is None
+
+
 def test_block_class_not_found_and_offload_on_cpu_are_clear_errors():
     model = tiny("llama", layers=2)
     with pytest.raises(ConfigError, match="memory.block_class.*NoSuchLayer.*LlamaDecoderLayer"):

@@ -39,3 +39,24 @@ def test_rng_round_trip_is_exact_and_json_able():
     restore_rng(json.loads(json.dumps(js)), tensors)
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_cuda_rng_is_saved_for_this_device_and_old_per_gpu_lists_still_load(monkeypatch):
+    """A resume may see another number of GPUs: the state is this device's; an old list is indexed safely."""
+    from memfit.dist_checkpoint import rng_from_payload, rng_payload
+
+    one = torch.arange(16, dtype=torch.uint8)
+    json_state, tensors = capture_rng()
+    payload = rng_payload(json_state, {**tensors, "cuda": one})
+    assert "cuda_device" in payload and "cuda" not in payload
+    assert torch.equal(rng_from_payload(payload)[1]["cuda"], one)
+    legacy = rng_payload(json_state, {**tensors, "cuda": [one, one + 1]})  # what earlier versions wrote
+    assert [t.tolist() for t in rng_from_payload(legacy)[1]["cuda"]] == [one.tolist(), (one + 1).tolist()]
+
+    restored: list[torch.Tensor] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    restore_rng(json_state, {**tensors, "cuda": one})
+    restore_rng(json_state, {**tensors, "cuda": [one, one]})  # 2 GPUs saved, this is the 4th: nothing to set
+    assert len(restored) == 1 and torch.equal(restored[0], one)
