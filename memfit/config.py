@@ -108,7 +108,7 @@ class MemoryConfig(_Section):
         "simulated budget. Unset: memory.device's usable memory, else the device's free memory.")
     device: str | None = Field(
         None, description="Target device profile the plan is made for: a100-40gb, a100-80gb, h100-80gb, h200, "
-        "l4, rtx-4090, t4 or cpu. Unset: the device this run is on.")
+        "l4, l40s, rtx-4090, t4 or cpu. Unset: the device this run is on.")
     safety_margin: float = Field(
         0.05, ge=0.0, lt=0.5, description="Share of the budget the planner leaves free for allocator "
         "fragmentation and estimate error.")

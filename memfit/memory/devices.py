@@ -53,6 +53,7 @@ PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
     _gpu("h100-80gb", 81559, 989, 989, 67, 3.35),
     _gpu("h200", 143771, 989, 989, 67, 4.8),
     _gpu("l4", 23034, 121, 121, 30, 0.3),
+    _gpu("l40s", 46068, 362, 362, 91.6, 0.864),
     _gpu("rtx-4090", 24564, 165, 165, 82.6, 1.008),
     _gpu("t4", 15360, 65, 65, 8.1, 0.32, bf16=False),
     # This machine kind (2 AVX-512 cores): measured orders of magnitude; memory is the host's RAM.
@@ -92,9 +93,11 @@ def profile_for_report(device: dict[str, Any]) -> DeviceProfile:
         return cpu_profile(device.get("memory_total_bytes"))
     name = str(device.get("name", "")).lower()
     best = None
-    for key, hint in (("h200", "h200"), ("h100", "h100-80gb"), ("a100", "a100-80gb"), ("l4", "l4"),
-                      ("4090", "rtx-4090"), ("t4", "t4")):
-        if key in name:
+    # Whole words of the CUDA name ("NVIDIA L40S" is not an L4): the most specific key first.
+    words = set(name.replace("-", " ").split())
+    for key, hint in (("h200", "h200"), ("h100", "h100-80gb"), ("a100", "a100-80gb"), ("l40s", "l40s"),
+                      ("l4", "l4"), ("4090", "rtx-4090"), ("t4", "t4")):
+        if key in words:
             best = PROFILES[hint]
             break
     base = best or PROFILES["a100-80gb"]

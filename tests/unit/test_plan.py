@@ -123,3 +123,16 @@ def test_device_profiles_and_unknown_devices():
     with pytest.raises(ConfigError, match="memory.device"):
         config.load(None, ["memory.device=tpu-v5"])
     assert config.load(None, ["memory.device=H100-80GB"]).memory.device == "h100-80gb"
+
+
+@pytest.mark.parametrize("cuda_name, profile", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA A100-SXM4-40GB", "a100-80gb"),
+    ("NVIDIA L40S", "l40s"), ("NVIDIA L4", "l4"), ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("Tesla T4", "t4"),
+])
+def test_a_detected_gpu_gets_its_own_speeds(cuda_name, profile):
+    from memfit.memory.devices import profile_for_report
+
+    found = profile_for_report({"type": "cuda", "name": cuda_name, "memory_total_bytes": 40 * 2**30,
+                                "bf16_supported": True})
+    assert found.flops_per_s("bfloat16") == PROFILES[profile].flops_per_s("bfloat16")
+    assert found.memory_bytes == 40 * 2**30  # what the device reports, not the profile's nominal size
