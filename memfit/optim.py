@@ -52,12 +52,16 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, schedule
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else math.inf)
+    stepped = True
     if scaler is not None:
+        scale = scaler.get_scale()
         scaler.step(optimizer)  # skips the step when the unscaled gradients hold inf/nan
         scaler.update()
+        stepped = scaler.get_scale() >= scale  # update() lowers the scale exactly when it skipped
     else:
         optimizer.step()
-    scheduler.step()
+    if stepped:  # a skipped fp16 step leaves the weights, and so the schedule, where they were
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
 

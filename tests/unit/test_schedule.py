@@ -60,3 +60,28 @@ def test_cuda_rng_is_saved_for_this_device_and_old_per_gpu_lists_still_load(monk
     restore_rng(json_state, {**tensors, "cuda": one})
     restore_rng(json_state, {**tensors, "cuda": [one, one]})  # 2 GPUs saved, this is the 4th: nothing to set
     assert len(restored) == 1 and torch.equal(restored[0], one)
+
+
+def test_a_skipped_fp16_step_does_not_advance_the_schedule():
+    """GradScaler skips a step whose gradients overflowed; the LR schedule must not move on without it."""
+    from memfit.config import TrainConfig
+    from memfit.optim import apply_gradients, make_adamw, make_scheduler
+
+    model = torch.nn.Linear(4, 1)
+    t = TrainConfig(max_steps=10, warmup_steps=5, lr=1e-2)
+    optimizer = make_adamw(model, t.lr, t.weight_decay)
+    scheduler = make_scheduler(optimizer, t)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    before = [p.detach().clone() for p in model.parameters()]
+    lr0 = scheduler.get_last_lr()[0]
+
+    scaler.scale(model(torch.ones(2, 4)).sum() * 1e36).backward()  # overflows once scaled: inf gradients
+    norm = apply_gradients(model, optimizer, scheduler, scaler, max_grad_norm=1.0)
+    assert not torch.isfinite(norm) and scaler.get_scale() < 2.0**16
+    assert scheduler.get_last_lr()[0] == lr0 and scheduler.last_epoch == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()  # a normal step moves both
+    apply_gradients(model, optimizer, scheduler, scaler, max_grad_norm=1.0)
+    assert scheduler.last_epoch == 1 and scheduler.get_last_lr()[0] > lr0
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
