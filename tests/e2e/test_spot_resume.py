@@ -58,8 +58,12 @@ class Run:
         self.proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", *command, *args, "--json"],
                                      cwd=cwd, env={**env, **extra_env}, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self._out: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        # stdout has its own reader: communicate() would also read stderr, taking lines from the one above.
+        self._out_reader = threading.Thread(target=lambda: self._out.extend(self.proc.stdout), daemon=True)
+        self._out_reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stderr:
@@ -91,9 +95,10 @@ class Run:
             self.proc.send_signal(sig)  # what Kubernetes does: SIGTERM to the container's main process
 
     def finish(self, timeout: float = 300) -> tuple[int, str]:
-        out, _ = self.proc.communicate(timeout=timeout)
+        self.proc.wait(timeout=timeout)
         self._reader.join(timeout=10)
-        return self.proc.returncode, out
+        self._out_reader.join(timeout=10)
+        return self.proc.returncode, "".join(self._out)
 
 
 def _overrides(root: Path, uri: str, **extra: object) -> list[str]:
@@ -189,8 +194,8 @@ def test_killed_preempted_and_resumed_run_equals_an_uninterrupted_one(cli_env, s
     code, out = run.finish()
     assert code == 0, run.log[-4000:]
     summary = json.loads(out.strip().splitlines()[-1])
-    # `memfit resume` says where it resumes from; the flow's recovery phase logs it again when its log reaches stderr.
-    assert summary["steps"] == 14 and (f"(step {stopped})" in run.log or f"from step {stopped} " in run.log)
+    # `memfit resume` says where it resumes from, and the flow's recovery phase again.
+    assert summary["steps"] == 14 and f"from step {stopped} " in run.log and f"(step {stopped})" in run.log
     resumed = load_file(str(Path(summary["safetensors_dir"]) / "model.safetensors"))
     reference = _reference_export(tmp_path, bucket)
     assert resumed.keys() == reference.keys()
