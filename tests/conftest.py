@@ -49,6 +49,20 @@ def prefect_harness():
         yield
 
 
+@pytest.fixture(scope="session")
+def prefect_home_template(tmp_path_factory) -> Path:
+    """A Prefect home with its database migrated once: copied into a test's PREFECT_HOME, each Prefect server
+    the test starts skips ~9 s of migrations (what a user's second run skips too)."""
+    import subprocess
+    import sys
+
+    home = tmp_path_factory.mktemp("prefect-home-template")
+    prefect = Path(sys.executable).parent / "prefect"
+    subprocess.run([str(prefect), "server", "database", "upgrade", "-y"], env={**os.environ, "PREFECT_HOME": str(home)},
+                   check=True, capture_output=True, timeout=300)
+    return home
+
+
 @pytest.fixture()
 def mlflow_uri(tmp_path: Path) -> str:
     """A fresh MLflow tracking store on SQLite (a real store, not a mock)."""

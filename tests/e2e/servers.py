@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -54,8 +55,11 @@ def process_group(args: list[str], env: dict[str, str], cwd: Path, log: Path) ->
 
 
 @contextmanager
-def prefect_server(tmp: Path, bin_dir: Path) -> Iterator[str]:
-    """`prefect server start` on 127.0.0.1 with its own SQLite DB; yields the API URL."""
+def prefect_server(tmp: Path, bin_dir: Path, template: Path | None = None) -> Iterator[str]:
+    """`prefect server start` on 127.0.0.1 with its own SQLite DB (a copy of `template`'s migrated one when
+    given); yields the API URL."""
+    if template is not None:
+        shutil.copy(template / "prefect.db", tmp / "prefect.db")
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"),

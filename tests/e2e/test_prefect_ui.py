@@ -29,10 +29,10 @@ def _chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, prefect_home_template):
     tmp = tmp_path_factory.mktemp("ui")
     (tmp / "configs").symlink_to(REPO / "configs")
-    with prefect_server(tmp, BIN) as api:
+    with prefect_server(tmp, BIN, prefect_home_template) as api:
         env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_HOME": str(tmp / "prefect-home"),
                "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PYTHONUNBUFFERED": "1"}
         args = [str(BIN / "memfit"), "serve", "configs/tiny.yaml", "--set", "train.max_steps=8",

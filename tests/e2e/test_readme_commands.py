@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ def test_section_exists_with_commands(title):
 
 
 @pytest.mark.parametrize("title", SECTIONS)
-def test_section_commands_run(title, tmp_path):
+def test_section_commands_run(title, tmp_path, prefect_home_template):
     blocks = runnable(section_blocks((REPO / "README.md").read_text(), title))
     if not blocks:
         pytest.skip(f"every block of '{title}' needs Docker or a cloud account")
@@ -44,6 +45,7 @@ def test_section_commands_run(title, tmp_path):
     script = "set -euo pipefail\n" + "\n".join(blocks)
     # Same commands, other ports: nothing else on this machine may be listening on the defaults.
     script = script.replace("4200", str(free_port())).replace("5000", str(free_port()))
+    shutil.copytree(prefect_home_template, tmp_path / "prefect-home")  # migrated once per session
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PREFECT_HOME": str(tmp_path / "prefect-home"),
            "PYTHONUNBUFFERED": "1"}
     for var in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
