@@ -101,7 +101,11 @@ def _forward_stop(proc: subprocess.Popen[Any]) -> None:
 
 
 def _forward_save(proc: subprocess.Popen[Any], jdir: Path) -> bool:
-    """SIGUSR1 to every rank once each has its handler (before that it would end the rank); True when sent."""
+    """SIGUSR1 to one rank of this node with its handler in (before that it would end the rank); True when sent.
+
+    One is enough: the per-step all-reduce carries its flag to every rank. Signalling all of them would let
+    the signals land on either side of a step's all-reduce and make two saves of one request.
+    """
     import psutil
 
     try:
@@ -109,10 +113,11 @@ def _forward_save(proc: subprocess.Popen[Any], jdir: Path) -> bool:
     except psutil.NoSuchProcess:
         return False
     ready = {p.name for p in (jdir / READY_DIR).glob("*")}
-    if not ranks or any(str(r.pid) not in ready for r in ranks):
+    target = min((r for r in ranks if str(r.pid) in ready), key=lambda r: r.pid, default=None)
+    if target is None:
         return False
-    _send(ranks, signal.SIGUSR1)
-    log.warning("save requested (spot rebalance recommendation): forwarded to %d training processes", len(ranks))
+    _send([target], signal.SIGUSR1)
+    log.warning("save requested (spot rebalance recommendation): forwarded to training process %d", target.pid)
     return True
 
 

@@ -238,25 +238,32 @@ def test_single_process_dcp_round_trip_and_lazy_consolidation(tmp_path):
 
 
 # -- stop forwarding and the Kubernetes manifest ----------------------------------------------------------
+def _fake_torchrun(monkeypatch, rank_script: str, rank_args: str) -> None:
+    """torchrun's stand-in: two processes running `rank_script` with `rank_args` (an expression of i)."""
+    import sys
+
+    from memfit.distributed import launch
+
+    runner = ("import subprocess, sys\n"
+              f"ps = [subprocess.Popen([sys.executable, '-c', {rank_script!r}, *{rank_args}]) for i in (0, 1)]\n"
+              "sys.exit(max(p.wait() for p in ps))\n")
+    monkeypatch.setattr(launch, "torchrun_command", lambda cfg, job_path: [sys.executable, "-c", runner])
+
+
 def test_a_stop_request_reaches_every_rank_process(tmp_path, monkeypatch):
     """The launcher's loop: when the flow process is told to stop, torchrun's children get SIGTERM."""
-    import sys
     import threading
 
     from memfit.distributed import launch
 
-    # A stand-in for torchrun: two "ranks" that record SIGTERM and exit 75, as memfit's ranks do.
+    # Two "ranks" that record SIGTERM and exit 75, as memfit's ranks do.
     rank = ("import signal, sys, time, pathlib\n"
             "def h(*_):\n"
             "    pathlib.Path(sys.argv[1]).write_text('TERM'); sys.exit(75)\n"
             "signal.signal(signal.SIGTERM, h)\n"
             "pathlib.Path(sys.argv[1] + '.up').write_text('up')\n"
             "time.sleep(60)\n")
-    runner = ("import subprocess, sys\n"
-              f"ps = [subprocess.Popen([sys.executable, '-c', {rank!r}, r'{tmp_path}/rank' + str(i)])"
-              " for i in (0, 1)]\n"
-              "sys.exit(max(p.wait() for p in ps))\n")
-    monkeypatch.setattr(launch, "torchrun_command", lambda cfg, job_path: [sys.executable, "-c", runner])
+    _fake_torchrun(monkeypatch, rank, f"[r'{tmp_path}/rank' + str(i)]")
     cfg = _cfg("distributed.nproc_per_node=2")
     job = launch.Job(config={}, plan={}, resume={}, job_dir=str(tmp_path))
     stop = threading.Event()
@@ -274,44 +281,35 @@ def test_a_stop_request_reaches_every_rank_process(tmp_path, monkeypatch):
     assert (tmp_path / "rank0").read_text() == "TERM" and (tmp_path / "rank1").read_text() == "TERM"
 
 
-def test_a_save_request_waits_until_every_rank_is_ready_for_it(tmp_path, monkeypatch):
-    """SIGUSR1 would end a rank that has not installed its handler yet: the launcher holds the request until
-    every rank has marked itself ready, then each rank gets it once."""
-    import sys
+def test_a_save_request_waits_for_a_ready_rank_and_goes_to_one(tmp_path, monkeypatch):
+    """SIGUSR1 would end a rank that has not installed its handler yet: the launcher holds the request until a
+    rank has marked itself ready, then signals that one rank (the step's all-reduce tells the others)."""
     import threading
-    import time
 
     from memfit.distributed import launch
 
-    # Stand-in ranks: rank 1 is slow to start; each records SIGUSR1s, marks itself ready, exits after a while.
-    rank = ("import os, signal, sys, time, pathlib\n"
+    # Both ranks are slow to start; each records SIGUSR1s once its handler is in, marks itself ready, and ends
+    # a second after either rank got one (a second signal would show up), or after 60 s without any.
+    rank = ("import glob, signal, sys, time, pathlib\n"
             "out = pathlib.Path(sys.argv[1])\n"
-            "time.sleep(float(sys.argv[2]))\n"
+            "time.sleep(1.0)\n"
             "signal.signal(signal.SIGUSR1, lambda *_: out.write_text(out.read_text() + 'USR1'))\n"
             "out.write_text('')\n"
             "from memfit.distributed.launch import mark_ready\n"
-            "mark_ready(pathlib.Path(sys.argv[3]))\n"
-            "end = time.monotonic() + 4\n"
-            "while time.monotonic() < end: time.sleep(0.05)\n")
-    runner = ("import subprocess, sys\n"
-              f"ps = [subprocess.Popen([sys.executable, '-c', {rank!r}, r'{tmp_path}/rank' + str(i), str(i * 2),"
-              f" r'{tmp_path}']) for i in (0, 1)]\n"
-              "sys.exit(max(p.wait() for p in ps))\n")
-    monkeypatch.setattr(launch, "torchrun_command", lambda cfg, job_path: [sys.executable, "-c", runner])
+            "mark_ready(pathlib.Path(sys.argv[2]))\n"
+            "end = time.monotonic() + 60\n"
+            "got = lambda: any('USR1' in pathlib.Path(f).read_text() for f in glob.glob(sys.argv[2] + '/rank*.txt'))\n"
+            "while time.monotonic() < end and not got(): time.sleep(0.05)\n"
+            "time.sleep(1)\n")
+    _fake_torchrun(monkeypatch, rank, f"[r'{tmp_path}/rank' + str(i) + '.txt', r'{tmp_path}']")
     cfg = _cfg("distributed.nproc_per_node=2")
     job = launch.Job(config={}, plan={}, resume={}, job_dir=str(tmp_path))
     save_request = threading.Event()
-
-    def request_as_soon_as_rank0_is_up() -> None:
-        while not (tmp_path / "rank0").exists():
-            time.sleep(0.02)
-        save_request.set()  # rank 1 is still asleep, without a handler: SIGUSR1 now would kill it
-
-    threading.Thread(target=request_as_soon_as_rank0_is_up, daemon=True).start()
+    save_request.set()  # before any rank is up: sending SIGUSR1 now would kill the rank
     code = launch.run_torchrun(cfg, job, threading.Event(), save_request)
     assert code == 0  # no rank was killed by an early signal
-    assert (tmp_path / "rank0").read_text() == "USR1" and (tmp_path / "rank1").read_text() == "USR1"
-    assert not save_request.is_set()
+    got = sorted((tmp_path / f"rank{i}.txt").read_text() for i in (0, 1))
+    assert got == ["", "USR1"] and not save_request.is_set()
 
 
 def test_multinode_manifest_starts_nodes_1_to_n_minus_1(tmp_path):
