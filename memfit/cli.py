@@ -26,7 +26,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object, la
 
 def _environment() -> None:
     """Defaults every entry point shares: telemetry off, memfit logs visible in Prefect, patient start-up."""
-    from memfit.pipeline import set_telemetry_off
+    from memfit.telemetry import set_telemetry_off
 
     set_telemetry_off()
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "memfit")

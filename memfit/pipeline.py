@@ -445,9 +445,3 @@ def absolute_uri(uri: str) -> str:
     if "://" in uri:
         return uri
     return str(Path(uri).absolute())
-
-
-def set_telemetry_off() -> None:
-    for k, v in {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                 "MLFLOW_DISABLE_TELEMETRY": "true", "HF_HUB_DISABLE_TELEMETRY": "1"}.items():
-        os.environ.setdefault(k, v)

@@ -152,8 +152,8 @@ def _exit(code: int, clean: bool) -> None:
 def main(argv: list[str] | None = None) -> None:
     from memfit.distributed.launch import Job, mark_ready
     from memfit.distributed.strategies import init_process_group
-    from memfit.pipeline import set_telemetry_off
     from memfit.preemption import save_on_signal, stop_on_signals
+    from memfit.telemetry import set_telemetry_off
 
     args = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
