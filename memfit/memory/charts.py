@@ -26,11 +26,15 @@ def _unit(peak: float) -> tuple[float, str]:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fig.savefig(tmp, dpi=110, format="png")
-    tmp.replace(path)  # never a half-written PNG under the final name
-    return path
+    """Write the figure atomically, then close it (saved or not: figures hold memory until closed)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fig.savefig(tmp, dpi=110, format="png")
+        tmp.replace(path)  # never a half-written PNG under the final name
+        return path
+    finally:
+        _plt().close(fig)
 
 
 def _shade_phases(ax: Any, spans: dict[str, list[list[int]]], start: int) -> None:
@@ -63,10 +67,7 @@ def plot_timeline(name: str, summary: dict[str, Any], path: Path, subtitle: str 
     ax.legend(loc="upper left", fontsize=8, ncol=2)
     ax.margins(x=0)
     fig.tight_layout()
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _save(fig, path)
 
 
 def plot_compare(summaries: dict[str, dict[str, Any]], path: Path, subtitle: str = "") -> Path:
@@ -93,7 +94,4 @@ def plot_compare(summaries: dict[str, dict[str, Any]], path: Path, subtitle: str
         ax.grid(alpha=0.3)
         ax.margins(x=0)
     fig.tight_layout()
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _save(fig, path)

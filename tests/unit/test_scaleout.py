@@ -238,8 +238,9 @@ def test_single_process_dcp_round_trip_and_lazy_consolidation(tmp_path):
 
 
 # -- stop forwarding and the Kubernetes manifest ----------------------------------------------------------
-def _fake_torchrun(monkeypatch, rank_script: str, rank_args: str) -> None:
-    """torchrun's stand-in: two processes running `rank_script` with `rank_args` (an expression of i)."""
+def _fake_torchrun(monkeypatch, tmp_path, rank_script: str, rank_args: str):
+    """torchrun's stand-in: two processes running `rank_script` with `rank_args` (an expression of i).
+    Returns the (config, job) to pass to launch.run_torchrun."""
     import sys
 
     from memfit.distributed import launch
@@ -248,6 +249,7 @@ def _fake_torchrun(monkeypatch, rank_script: str, rank_args: str) -> None:
               f"ps = [subprocess.Popen([sys.executable, '-c', {rank_script!r}, *{rank_args}]) for i in (0, 1)]\n"
               "sys.exit(max(p.wait() for p in ps))\n")
     monkeypatch.setattr(launch, "torchrun_command", lambda cfg, job_path: [sys.executable, "-c", runner])
+    return _cfg("distributed.nproc_per_node=2"), launch.Job(config={}, plan={}, resume={}, job_dir=str(tmp_path))
 
 
 def test_a_stop_request_reaches_every_rank_process(tmp_path, monkeypatch):
@@ -263,9 +265,7 @@ def test_a_stop_request_reaches_every_rank_process(tmp_path, monkeypatch):
             "signal.signal(signal.SIGTERM, h)\n"
             "pathlib.Path(sys.argv[1] + '.up').write_text('up')\n"
             "time.sleep(60)\n")
-    _fake_torchrun(monkeypatch, rank, f"[r'{tmp_path}/rank' + str(i)]")
-    cfg = _cfg("distributed.nproc_per_node=2")
-    job = launch.Job(config={}, plan={}, resume={}, job_dir=str(tmp_path))
+    cfg, job = _fake_torchrun(monkeypatch, tmp_path, rank, f"[r'{tmp_path}/rank' + str(i)]")
     stop = threading.Event()
 
     def request_stop_when_ranks_are_up() -> None:
@@ -301,9 +301,7 @@ def test_a_save_request_waits_for_a_ready_rank_and_goes_to_one(tmp_path, monkeyp
             "got = lambda: any('USR1' in pathlib.Path(f).read_text() for f in glob.glob(sys.argv[2] + '/rank*.txt'))\n"
             "while time.monotonic() < end and not got(): time.sleep(0.05)\n"
             "time.sleep(1)\n")
-    _fake_torchrun(monkeypatch, rank, f"[r'{tmp_path}/rank' + str(i) + '.txt', r'{tmp_path}']")
-    cfg = _cfg("distributed.nproc_per_node=2")
-    job = launch.Job(config={}, plan={}, resume={}, job_dir=str(tmp_path))
+    cfg, job = _fake_torchrun(monkeypatch, tmp_path, rank, f"[r'{tmp_path}/rank' + str(i) + '.txt', r'{tmp_path}']")
     save_request = threading.Event()
     save_request.set()  # before any rank is up: sending SIGUSR1 now would kill the rank
     code = launch.run_torchrun(cfg, job, threading.Event(), save_request)
