@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -33,15 +34,18 @@ def _environment() -> None:
     # The ephemeral Prefect server's 20 s default is tight on 2 busy cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "60")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # memfit's lines outside a flow run (preflight, a stop signal) reach the terminal; Prefect's API log handler
+    # would warn on each that it cannot send them to a flow run.
+    warnings.filterwarnings("ignore", message=r"Logger .* attempted to send logs to the API without a flow run id")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     for noisy in ("httpx", "alembic", "onnxscript", "onnx_ir", "torch.onnx", "botocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _fail(err: BaseException) -> None:
+def _fail(err: BaseException, hint: str = "") -> None:
     code = getattr(err, "exit_code", 2)
-    typer.echo(f"error: {err}", err=True)
+    typer.echo(f"error: {err}{hint}", err=True)
     raise typer.Exit(code)
 
 
@@ -51,22 +55,47 @@ def _load(config: Path | None, overrides: list[str] | None) -> Any:
     return cfgmod.load(config, overrides or [])
 
 
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show Prefect's tracebacks on the terminal too.")]
+_GUARD: Any = None  # the ExitGuard of a real `memfit` process (main()); None in-process (tests, CliRunner)
+
+
 @app.command()
-def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False) -> None:
+def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False, debug: DebugOpt = False) -> None:
     """Run the five-phase fine-tune flow (ephemeral Prefect unless PREFECT_API_URL is set)."""
     _environment()
+    quiet = None
     try:
         cfg = _load(config, set_)
-        from memfit.pipeline import preflight
+        if _GUARD is not None:
+            _GUARD.grace_s = cfg.checkpoint.grace_seconds
+        from memfit.preflight import preflight
 
-        preflight(cfg)  # unwritable outputs, a missing bucket, bad credentials: one line, before Prefect starts
+        # Missing data or model, unwritable outputs, a missing bucket, bad credentials: one line, in seconds,
+        # before Prefect starts.
+        preflight(cfg)
+        from flows.console import quiet_expected_errors
         from flows.ephemeral import bind_ephemeral_server
         from flows.finetune import finetune
 
+        if not debug:
+            quiet = quiet_expected_errors(Path(cfg.run.work_dir) / "logs" / "errors.log",
+                                          lambda: _GUARD is not None and _GUARD.signalled)
         bind_ephemeral_server()  # no PREFECT_API_URL: a server that cannot outlive this process
         summary = finetune(config=cfg)
     except MemfitError as err:
-        _fail(err)
+        _fail(err, f" (traceback: {quiet.log_file}; --debug shows it here)" if quiet and quiet.holds(err) else "")
+    except BaseException:
+        if _GUARD is not None and _GUARD.signalled:  # Prefect's TerminationSignal, a second Ctrl-C, ...
+            from memfit.termination import Interrupted
+
+            _fail(Interrupted(f"stopped by {_GUARD.signal_name}; run the same command again to resume from the "
+                              "newest committed training checkpoint"))
+        raise
+    finally:
+        if quiet is not None:
+            from flows.console import remove_filters
+
+            remove_filters()
     if as_json:
         typer.echo(json.dumps(summary.model_dump(mode="json"), sort_keys=True))
     else:
@@ -394,9 +423,27 @@ def export_cmd(
         typer.echo(json.dumps(report, sort_keys=True, default=str))
 
 
-def main() -> None:  # pragma: no cover - console-script shim
-    app()
+def main() -> None:
+    """The `memfit` process: a stop signal ends it within the grace period, and nothing at exit can hang it."""
+    global _GUARD
+    from memfit.termination import EXIT_PREEMPTED, ExitGuard
+
+    _GUARD = ExitGuard().install()
+    code: int = 0
+    try:
+        app()
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported below, then the bounded exit
+        if not _GUARD.signalled:
+            import traceback
+
+            traceback.print_exc()
+        code = 1
+    if _GUARD.signalled and code not in (0, 76):
+        code = EXIT_PREEMPTED  # whatever was running when the signal came, the documented code is 75
+    _GUARD.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    app()
+    main()

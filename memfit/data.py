@@ -15,8 +15,7 @@ import torch
 
 from memfit.config import DataConfig, MemfitConfig
 from memfit.errors import CheckpointError, DataError, ModelLoadError
-
-SUPPORTED_SUFFIXES = (".txt", ".jsonl")
+from memfit.preflight import blank_data, data_files, missing_data
 
 # Small closed vocabularies: a tiny model picks up the templates and the number/letter
 # sequences within a few dozen steps, so a falling validation loss is visible in a short run.
@@ -70,19 +69,6 @@ def synthetic_corpus(n_docs: int, seed: int) -> list[str]:
         sentences = [rng.choice(_GENERATORS)(rng) for _ in range(rng.randint(3, 6))]
         docs.append(" ".join(sentences))
     return docs
-
-
-def _files_under(path: Path) -> list[Path]:
-    if path.is_file():
-        if path.suffix.lower() not in SUPPORTED_SUFFIXES:
-            raise DataError(f"data.path: {path} has an unsupported extension {path.suffix or '(none)'!r}; "
-                            "use a .txt (paragraphs) or .jsonl (one JSON record per line) file")
-        return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES)
-    if not files:
-        raise DataError(f"data.path: folder {path} holds no .txt or .jsonl files; "
-                        "add some or point data.path at another folder")
-    return files
 
 
 def _load_group(suffix: str, files: list[Path], text_field: str, where: Path, cache_dir: str) -> list[str]:
@@ -141,10 +127,9 @@ def load_texts(data_cfg: DataConfig) -> list[str]:
         return synthetic_corpus(data_cfg.synthetic_docs, data_cfg.seed)
     path = Path(data_cfg.path).expanduser()
     if not path.exists():
-        raise DataError(f"data.path: {path} not found; point data.path at a .txt/.jsonl file or folder, "
-                        "or unset it for the synthetic corpus")
+        raise missing_data(path)
     # Empty files add nothing, and datasets' builders fail on them.
-    files = [f for f in _files_under(path) if f.stat().st_size > 0]
+    files = [f for f in data_files(path) if f.stat().st_size > 0]
     texts: list[str] = []
     with tempfile.TemporaryDirectory(prefix="memfit-datasets-") as cache_dir:
         # One load_dataset call per run of same-type files keeps the sorted file order and stays fast.
@@ -152,8 +137,7 @@ def load_texts(data_cfg: DataConfig) -> list[str]:
             texts.extend(_load_group(suffix, list(group), data_cfg.text_field, path, cache_dir))
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise DataError(f"data.path: {path} holds no non-blank text; add data or unset data.path "
-                        "for the synthetic corpus")
+        raise blank_data(path)
     return texts
 
 

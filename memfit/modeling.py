@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import uuid
@@ -17,13 +16,12 @@ import torch
 from memfit.config import MemfitConfig, ModelConfig
 from memfit.data import data_digest as _data_digest
 from memfit.errors import ConfigError, MemfitError, ModelLoadError
+from memfit.preflight import resolve_model_source
 
 SPECIAL_TOKEN = "<|endoftext|>"
 PRESET_MARKER = "memfit-preset.json"
 # Bump when the way presets are built changes, so cached preset folders are rebuilt.
 PRESET_FORMAT = 1
-# A hub id is "name" or "org/name"; anything else that does not exist locally is a missing folder.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> Any:
@@ -159,26 +157,6 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
-def _resolve(name_or_path: str, need_config: bool) -> tuple[str, bool]:
-    """(what to pass to from_pretrained, is it a local folder); raises for missing/odd local paths."""
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise ModelLoadError(f"model.name_or_path: {path} is a file; point it at a model folder "
-                                 "(the output of save_pretrained) or a hub id")
-        if need_config and not (path / "config.json").is_file():
-            raise ModelLoadError(f"model.name_or_path: folder {path} has no config.json; point it at a "
-                                 "Hugging Face model folder (the output of save_pretrained)")
-        return str(path), True
-    looks_local = name_or_path.startswith(("/", "./", "../", "~", ".\\")) or not _HUB_ID.match(name_or_path)
-    if looks_local:
-        full = str(path.absolute())
-        shown = name_or_path if full == name_or_path else f"{name_or_path} ({full})"
-        raise ModelLoadError(f"model.name_or_path: folder {shown} not found; check the path, or give a "
-                             "hub id like 'org/name'")
-    return name_or_path, False
-
-
 def _load_error(name_or_path: str, local: bool, what: str, err: BaseException) -> ModelLoadError:
     if local:
         return ModelLoadError(f"model.name_or_path: could not load the {what} from folder {name_or_path} "
@@ -197,7 +175,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> Any:
     """AutoTokenizer.from_pretrained, with pad = eos when the tokenizer has no pad token."""
     from transformers import AutoTokenizer
 
-    target, local = _resolve(name_or_path, need_config=False)
+    target, local = resolve_model_source(name_or_path, need_config=False)
     try:
         # local_files_only for folders: a local load never reaches for the network.
         tok = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code,
@@ -217,7 +195,7 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32,
     """AutoModelForCausalLM.from_pretrained with errors that say what to do."""
     from transformers import AutoModelForCausalLM
 
-    target, local = _resolve(name_or_path, need_config=True)
+    target, local = resolve_model_source(name_or_path, need_config=True)
     try:
         # transformers 5 takes `dtype=` (torch_dtype= is the deprecated spelling).
         return AutoModelForCausalLM.from_pretrained(target, dtype=dtype, trust_remote_code=trust_remote_code,

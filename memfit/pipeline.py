@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import platform
 import shutil
 import subprocess
@@ -28,10 +27,10 @@ from memfit.memory.probe import explain_oom, measure_step, verdict, weights_to_d
 from memfit.memory.search import estimate_policy, plan_for, plan_table_markdown, resolve_budget, target_profile
 from memfit.modeling import check_seq_len, load_model_and_tokenizer
 from memfit.preemption import stop_on_signals
+from memfit.preflight import open_checkpoint_store, preflight
 from memfit.reports import ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
 from memfit.spot import spot_watcher
-from memfit.storage import is_remote, open_store
-from memfit.tracking import check_tracking, make_tracker
+from memfit.tracking import make_tracker
 from memfit.tracking.base import scrub_obj
 
 log = logging.getLogger("memfit.pipeline")
@@ -69,18 +68,6 @@ def _staging(cfg: MemfitConfig, what: str) -> Path:
     return Path(cfg.run.work_dir) / what / key
 
 
-def open_checkpoint_store(cfg: MemfitConfig) -> Any:
-    """The store at checkpoint.uri, with the S3 settings of the config (credentials: boto3's own chain)."""
-    ck = cfg.checkpoint
-    if is_remote(ck.uri):
-        return open_store(ck.uri, endpoint_url=ck.endpoint_url, region=ck.region,
-                          multipart_threshold_mb=ck.multipart_threshold_mb)
-    for name in ("endpoint_url", "region"):
-        if getattr(ck, name) is not None:
-            raise ConfigError(f"checkpoint.{name} only applies to s3:// uris, not checkpoint.uri={ck.uri!r}")
-    return open_store(ck.uri)
-
-
 def checkpoint_manager(cfg: MemfitConfig) -> CheckpointManager:
     ck = cfg.checkpoint
     return CheckpointManager(open_checkpoint_store(cfg), keep_last=ck.keep_last, staging_dir=_staging(cfg, "staging"),
@@ -95,29 +82,6 @@ def _git_commit() -> str | None:
         return out.stdout.strip() or None if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def _check_writable_dir(path: str, field: str) -> None:
-    folder = Path(path)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe_file = folder / f".memfit-write-test-{os.getpid()}"
-        probe_file.write_bytes(b"ok")
-        probe_file.unlink()
-    except OSError as err:
-        raise ConfigError(f"{field}: cannot write to {folder} ({err.strerror or err}); choose a writable folder "
-                          f"with --set {field}=PATH") from None
-
-
-def preflight(cfg: MemfitConfig) -> None:
-    """Fail in seconds, before any model is built, on outputs that could not be written later."""
-    _check_writable_dir(cfg.run.work_dir, "run.work_dir")
-    _check_writable_dir(cfg.export.dir, "export.dir")
-    # S3 too: a missing bucket, bad credentials or a down endpoint fail here, in seconds, not after the probe.
-    open_checkpoint_store(cfg).check_writable()
-    check_tracking(cfg.tracking)  # an unreachable MLflow server fails here, naming the URI, not after training
-    if cfg.export.uri:
-        open_store(cfg.export.uri).check_writable()
 
 
 # -- phase 1 ------------------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ def reap_with_this_process(pid: int) -> subprocess.Popen[bytes] | None:
     if hook is None:
         return None
     started = psutil.Process(pid).create_time()
+    # A session of its own: a SIGKILL to memfit's whole process group must leave the reaper alive to act on it.
     reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(pid), repr(started), str(os.getpid())],
-                              stdin=subprocess.DEVNULL, preexec_fn=hook)  # noqa: PLW1509
+                              stdin=subprocess.DEVNULL, preexec_fn=hook, start_new_session=True)  # noqa: PLW1509
     _reapers.append(reaper)
     return reaper

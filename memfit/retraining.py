@@ -9,8 +9,8 @@ from pathlib import Path
 
 from memfit.checkpointing import sha256_file
 from memfit.config import MemfitConfig
-from memfit.data import SUPPORTED_SUFFIXES
 from memfit.errors import ConfigError, DataError
+from memfit.preflight import SUPPORTED_SUFFIXES
 from memfit.storage import open_store
 
 log = logging.getLogger("memfit.retrain")

@@ -1,10 +1,75 @@
-"""The Prefect global concurrency limit that keeps two training runs off one GPU."""
+"""The training slot a run holds while it trains, so two runs on one machine never share a GPU."""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
+
+from memfit.config import MemfitConfig
+from memfit.slots import machine_slot
+
+log = logging.getLogger("memfit.slots")
+LEASE_SECONDS = 60  # a server reaps a dead holder's lease after this; renewed in the background while training
+
+
+def ephemeral_mode() -> bool:
+    """No PREFECT_API_URL: Prefect's ephemeral server, which runs no lease reaper."""
+    from prefect.settings import PREFECT_API_URL
+
+    return not PREFECT_API_URL.value()
+
+
+def slots_folder() -> Path:
+    """Beside the Prefect database the ephemeral server uses: the same scope a global limit had there."""
+    from prefect.settings import PREFECT_HOME
+
+    return Path(PREFECT_HOME.value()) / "memfit-slots"
+
+
+@contextmanager
+def training_slot(config: MemfitConfig) -> Iterator[None]:
+    """Hold a training slot for the block, waiting (and saying so) while every slot is taken.
+
+    Default mode: a file lock in the Prefect home, freed by the kernel when its holder dies, so a SIGKILLed run
+    never blocks the next one. With a Prefect server: its global concurrency limit, whose 60 s lease the
+    server reaps after a holder dies.
+    """
+    key, slots = config.deploy.concurrency_key, config.deploy.training_slots
+    if ephemeral_mode():
+        with machine_slot(slots_folder(), key, slots, run=config.run.name, notify=log.warning):
+            yield
+        return
+    ensure_training_slots(key, slots)
+    with ExitStack() as stack:
+        start, wait = time.monotonic(), 5.0
+        while True:
+            try:
+                stack.enter_context(concurrency(key, occupy=1, lease_duration=LEASE_SECONDS, timeout_seconds=wait))
+                break
+            except TimeoutError:
+                log.warning(_server_wait_line(key, time.monotonic() - start))
+                wait = 30.0
+        yield
+
+
+def _server_wait_line(key: str, waited: float) -> str:
+    try:
+        with get_client(sync_client=True) as client:
+            limit = client.read_global_concurrency_limit_by_name(key)
+        held = f"{limit.active_slots}/{limit.limit} slot(s) in use"
+    except Exception:  # noqa: BLE001 - the line is what matters, not the figures
+        held = "every slot in use"
+    return (f"waiting {waited:.0f} s for a training slot: Prefect concurrency limit {key!r} has {held}; a run "
+            f"killed while training frees its slot when its {LEASE_SECONDS} s lease expires and the server reaps "
+            f"it. To free it by hand: prefect gcl update {key} --active-slots 0")
 
 
 def ensure_training_slots(name: str, slots: int) -> None:

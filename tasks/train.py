@@ -6,13 +6,12 @@ from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.concurrency.sync import concurrency
 
 from memfit import pipeline
 from memfit.config import MemfitConfig
 from memfit.memory.monitor import event_sink
 from memfit.reports import PlanReport, ProbeReport, ResumePoint, TrainReport
-from tasks.slots import ensure_training_slots
+from tasks.slots import training_slot
 
 
 def emit_memory_event(event: dict[str, Any]) -> None:
@@ -44,9 +43,7 @@ def emit_memory_event(event: dict[str, Any]) -> None:
 def train_task(config: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe: ProbeReport) -> TrainReport:
     if resume.finished:
         return pipeline.train(config, plan, resume, probe)
-    ensure_training_slots(config.deploy.concurrency_key, config.deploy.training_slots)
-    # Held for the whole of training: a second run on this machine waits instead of sharing the GPU.
-    # A short lease (renewed in the background while training runs): after a SIGKILL (spot reclaim past
-    # the grace) the dead run's slot frees in about a minute, not Prefect's default 5, so the rerun resumes.
-    with concurrency(config.deploy.concurrency_key, occupy=1, lease_duration=60), event_sink(emit_memory_event):
+    # Held for the whole of training: a second run on this machine waits (and says so) instead of sharing the
+    # GPU. A run killed while holding it never blocks the next one (tasks/slots.py says how, per mode).
+    with training_slot(config), event_sink(emit_memory_event):
         return pipeline.train(config, plan, resume, probe)

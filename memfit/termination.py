@@ -1,0 +1,142 @@
+"""SIGTERM or Ctrl-C at any moment: the process ends within the grace period, exit 75, whatever still runs."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from memfit.errors import MemfitError
+
+log = logging.getLogger("memfit.termination")
+EXIT_PREEMPTED = 75  # the documented code: run the same command again to resume
+
+
+class Interrupted(MemfitError):
+    """A stop signal arrived outside training (waiting for a slot, loading, exporting): nothing to save."""
+
+    exit_code = EXIT_PREEMPTED
+
+
+class ExitGuard:
+    """Bounds how long a stop signal may take to end the process.
+
+    Three parts, because the handler that sees a signal is not always ours (Prefect's flow engine and the
+    trainer install their own while they run): (1) our handler, active outside them, raises Interrupted;
+    (2) a wakeup fd, written by the interpreter for every signal whatever handler runs, arms a deadline
+    timer; (3) `exit()` runs the at-exit work (Prefect's log drain, its server stop) on a clock. At the
+    deadline the process prints one line and leaves with os._exit: nothing may wait on a server that is gone.
+    """
+
+    def __init__(self, grace_s: float = 30.0, exit_budget_s: float = 15.0) -> None:
+        self.grace_s = grace_s
+        self.exit_budget_s = exit_budget_s
+        self.signal_name: str | None = None
+        self.received_at: float | None = None
+        self._armed = threading.Lock()
+        self._timer: threading.Thread | None = None
+        self._wakeup_r: int | None = None
+        self._calls = 0
+
+    # -- installing ----------------------------------------------------------------------------------
+    def install(self) -> ExitGuard:
+        """Call from the main thread, before anything else installs handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread of the main interpreter
+            os.close(r)
+            os.close(w)
+            return self
+        self._wakeup_r = r
+        threading.Thread(target=self._watch_wakeups, name="memfit-exit-guard", daemon=True).start()
+        return self
+
+    def _watch_wakeups(self) -> None:
+        assert self._wakeup_r is not None
+        while True:
+            try:
+                data = os.read(self._wakeup_r, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in (signal.SIGTERM, signal.SIGINT):
+                    self.arm(signal.Signals(signum).name)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        self.arm(name)
+        # Prefect's handler re-sends the signal to this one once it has recorded the crash: that is the first
+        # time this handler runs, not a second signal. A second call is a second signal: leave at once.
+        self._calls += 1
+        if self._calls > 1:
+            self._leave(f"second {name}: stopping now")
+        raise Interrupted(f"stopped by {name}; run the same command again to resume from the newest committed "
+                          "training checkpoint")
+
+    # -- the deadline -------------------------------------------------------------------------------
+    @property
+    def signalled(self) -> bool:
+        return self.signal_name is not None
+
+    def arm(self, name: str) -> None:
+        """Start the deadline at the first stop signal (idempotent)."""
+        with self._armed:
+            if self.signal_name is None:
+                self.signal_name, self.received_at = name, time.monotonic()
+                log.warning("received %s: stopping; the process exits %d within %.0f s (checkpoint.grace_seconds)",
+                            name, EXIT_PREEMPTED, self.grace_s)
+            if self._timer is not None:
+                return
+            self._timer = threading.Thread(target=self._deadline, name="memfit-exit-deadline", daemon=True)
+            self._timer.start()
+
+    def _deadline(self) -> None:
+        assert self.received_at is not None
+        time.sleep(max(0.0, self.received_at + self.grace_s - time.monotonic()))
+        self._leave(f"{self.signal_name} was received {self.grace_s:.0f} s ago (checkpoint.grace_seconds) and the "
+                    "run had not ended: exiting now; run the same command again to resume from the newest "
+                    "committed training checkpoint")
+
+    def _leave(self, line: str, code: int = EXIT_PREEMPTED) -> None:
+        try:
+            sys.stderr.write(f"error: {line}\n")
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+    # -- leaving -----------------------------------------------------------------------------------
+    def exit(self, code: int) -> None:
+        """Leave with `code` after the at-exit work, which gets `exit_budget_s` (less once a signal came)."""
+        budget = self.exit_budget_s
+        if self.received_at is not None:
+            budget = min(budget, max(1.0, self.received_at + self.grace_s - time.monotonic()))
+        worker = threading.Thread(target=_run_exit_functions, name="memfit-atexit", daemon=True)
+        worker.start()
+        worker.join(budget)
+        if worker.is_alive():
+            log.warning("at-exit work (Prefect's log drain, server stop) took over %.0f s: leaving without it",
+                        budget)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _run_exit_functions() -> None:
+    try:
+        atexit._run_exitfuncs()
+    except Exception:  # noqa: BLE001 - an at-exit failure must not change the exit code
+        log.debug("at-exit work failed", exc_info=True)
