@@ -234,6 +234,11 @@ class TrackingConfig(_Section):
     experiment: str = Field("memfit", min_length=1, description="MLflow experiment name.")
     fail_if_unreachable: bool = Field(True, description="An unreachable tracking server fails the run before any work "
                            "(naming the URI); false: warn and continue with the null tracker.")
+    missing_run: Literal["new_run", "error"] = Field(
+        "new_run", description="When the MLflow run a training checkpoint names is not in this store (a spot "
+        "restart on a new machine with its own local store): new_run trains on into a new run tagged "
+        "memfit.resumed_from_run_id and memfit.resumed_from_step, with a warning; error stops instead. Keep one "
+        "run across machines with a shared tracking server (tracking.uri=http://...).")
     system_metrics: bool = Field(True, description="Log MLflow system metrics (CPU, memory, disk, network; "
                                  "GPU through pynvml when installed) as system/* metrics.")
     system_metrics_interval_s: float = Field(

@@ -260,7 +260,8 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
         if resume.local_dir:
             trainer.restore(read_checkpoint_folder(Path(resume.local_dir)))
             tracker.set_tags({"memfit.resumed_from_step": str(resume.step)})
-        else:
+        if not resume.local_dir or not tracker.continued:
+            # A fresh run, or a resume whose MLflow run is not in this store: the new run gets params and plan.
             _log_run_start(tracker, cfg, plan, data, probe_report)
         save_request = threading.Event()
         with stop_on_signals() as stop, spot_watcher(cfg.checkpoint.spot, stop, save_request):

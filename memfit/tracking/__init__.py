@@ -20,7 +20,8 @@ def make_tracker(tracking_cfg) -> Tracker:
     try:
         return MLflowTracker(tracking_cfg.resolved_uri(), tracking_cfg.experiment,
                              system_metrics=tracking_cfg.system_metrics,
-                             system_metrics_interval_s=tracking_cfg.system_metrics_interval_s)
+                             system_metrics_interval_s=tracking_cfg.system_metrics_interval_s,
+                             missing_run=tracking_cfg.missing_run)
     except TrackingError as err:
         if tracking_cfg.fail_if_unreachable:
             raise

@@ -70,6 +70,8 @@ class Tracker(Protocol):
 
     run_id: str | None
 
+    continued: bool  # after start_run: True when it reopened the run it was given, False for a new run
+
     def start_run(self, run_name: str, run_id: str | None = None, tags: dict[str, str] | None = None) -> str: ...
 
     def log_params(self, params: dict[str, Any]) -> None: ...

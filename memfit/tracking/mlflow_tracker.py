@@ -81,9 +81,14 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
                             "tracking.fail_if_unreachable=false to run without tracking") from None
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 class MLflowTracker:
     def __init__(self, tracking_uri: str, experiment: str, flush_every: int = 20, system_metrics: bool = False,
-                 system_metrics_interval_s: float = 10.0) -> None:
+                 system_metrics_interval_s: float = 10.0, missing_run: str = "new_run") -> None:
         from mlflow import MlflowClient
 
         check_reachable(tracking_uri)
@@ -91,6 +96,8 @@ class MLflowTracker:
         self.experiment = experiment
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.run_id: str | None = None
+        self.missing_run = missing_run
+        self.continued = False  # start_run reopened the run it was given (False: a new run)
         self._pending: list[Any] = []
         self._flush_every = flush_every
         self._system_metrics = system_metrics
@@ -133,22 +140,37 @@ class MLflowTracker:
             log.warning("the training checkpoint was written without tracking (run %s); starting a new MLflow "
                         "run", run_id)
             run_id = None
-        if run_id:
-            try:
-                run = self.client.get_run(run_id)
-            except Exception as err:  # noqa: BLE001 - mlflow raises MlflowException subclasses
-                raise TrackingError(f"tracking: run {run_id} from the training checkpoint is not in "
-                                    f"{display_uri(self.tracking_uri)} ({err}); point tracking.uri at the store it "
-                                    "was logged to, or start over with an empty checkpoint.uri") from None
+        run = self._find_run(run_id) if run_id else None
+        if run is not None:
             self.run_id = run.info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
+            self.continued = True
+            if tags:
+                self.set_tags(tags)
         else:
-            run = self.client.create_run(self._experiment_id(), run_name=run_name, tags=redact(dict(tags or {})))
+            extra = {"memfit.resumed_from_run_id": run_id} if run_id else {}
+            run = self.client.create_run(self._experiment_id(), run_name=run_name,
+                                         tags=redact({**(tags or {}), **extra}))
             self.run_id = run.info.run_id
-        if tags and run_id:
-            self.set_tags(tags)
+            self.continued = False
         self._start_system_metrics()
         return self.run_id
+
+    def _find_run(self, run_id: str) -> Any:
+        """The run to continue, or None (with a warning) when this store does not hold it and policy allows."""
+        try:
+            return self.client.get_run(run_id)
+        except Exception as err:  # noqa: BLE001 - mlflow raises MlflowException subclasses
+            where = display_uri(self.tracking_uri)
+            if self.missing_run == "error":
+                raise TrackingError(f"tracking: run {run_id} from the training checkpoint is not in {where} "
+                                    f"({_first_line(err)}); point tracking.uri at the store it was logged to, or set "
+                                    "tracking.missing_run=new_run to train on in a new run") from None
+        log.warning("MLflow run %s named by the training checkpoint is not in %s (a new machine with its own store?): "
+                    "training goes on in a new run, tagged memfit.resumed_from_run_id=%s. To keep one run across "
+                    "machines, use a shared tracking server (tracking.uri=http://...); tracking.missing_run=error "
+                    "makes this an error", run_id, where, run_id)
+        return None
 
     def _start_system_metrics(self) -> None:
         if not self._system_metrics or self._monitor is not None:

@@ -10,9 +10,11 @@ from typing import Any
 class NullTracker:
     def __init__(self) -> None:
         self.run_id: str | None = None
+        self.continued = False
 
     def start_run(self, run_name: str, run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
         self.run_id = run_id or f"null-{uuid.uuid4().hex[:12]}"
+        self.continued = run_id is not None
         return self.run_id
 
     def log_params(self, params: dict[str, Any]) -> None:

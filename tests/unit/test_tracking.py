@@ -148,3 +148,33 @@ def test_preflight_checks_the_tracking_server_before_any_work(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="memfit.tracking"):
         pipeline.preflight(config.load(None, [*outputs, "tracking.fail_if_unreachable=false"]))
     assert any("WITHOUT tracking" in r.getMessage() for r in caplog.records)
+
+
+def test_a_run_missing_from_this_store_goes_on_in_a_new_tagged_run(tmp_path, caplog):
+    """A spot restart on a new machine: the checkpoint names a run its local store never saw."""
+    from memfit.tracking.mlflow_tracker import MLflowTracker
+
+    first = MLflowTracker(f"sqlite:///{tmp_path / 'machine-a.db'}", "memfit")
+    old_id = first.start_run("tiny")
+    first.end_run("KILLED")
+    second = MLflowTracker(f"sqlite:///{tmp_path / 'machine-b.db'}", "memfit")
+    with caplog.at_level(logging.WARNING, logger="memfit"):
+        new_id = second.start_run("tiny", run_id=old_id, tags={"memfit.host": "b"})
+    assert new_id != old_id and not second.continued
+    tags = second.client.get_run(new_id).data.tags
+    assert tags["memfit.resumed_from_run_id"] == old_id and tags["memfit.host"] == "b"
+    assert "shared tracking server" in caplog.text and old_id in caplog.text
+    second.end_run("FINISHED")
+    # In the store that holds it, the same id is reopened, not replaced.
+    again = MLflowTracker(f"sqlite:///{tmp_path / 'machine-a.db'}", "memfit")
+    assert again.start_run("tiny", run_id=old_id) == old_id and again.continued
+    again.end_run("FINISHED")
+
+
+def test_missing_run_error_policy_names_the_setting(tmp_path):
+    from memfit.tracking.mlflow_tracker import MLflowTracker
+
+    tracker = MLflowTracker(f"sqlite:///{tmp_path / 'b.db'}", "memfit", missing_run="error")
+    with pytest.raises(TrackingError, match="tracking.missing_run=new_run") as err:
+        tracker.start_run("tiny", run_id="0123456789abcdef0123456789abcdef")
+    assert "\n" not in str(err.value)
