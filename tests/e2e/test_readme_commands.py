@@ -1,4 +1,8 @@
-"""The README's operating sections run as written (blocks marked `# needs ...` excepted: Docker, a cloud)."""
+"""The operating sections run as written (blocks marked `# needs ...` excepted: Docker, a cloud).
+
+The README links each section into the docs page that holds it (`[title](docs/page.md#anchor)`); the test
+follows that link and runs the page's section, so a section moved without its link fails here.
+"""
 
 from __future__ import annotations
 
@@ -19,9 +23,27 @@ SECTIONS = ["Run from the Prefect UI", "Schedule retraining", "Review in MLflow"
             "Several GPUs and machines"]
 
 
-def section_blocks(readme: str, title: str) -> list[str]:
-    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", readme, re.S | re.M)
-    assert m, f"README has no '## {title}' section"
+def anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def section_source(title: str) -> tuple[str, str]:
+    """(page, markdown) holding '## title': the README itself, or the docs page the README links it to."""
+    readme = (REPO / "README.md").read_text()
+    if re.search(rf"^## {re.escape(title)}$", readme, re.M):
+        return "README.md", readme
+    links = re.findall(rf"\]\((docs/[\w.-]+\.md)#{re.escape(anchor(title))}\)", readme)
+    assert links, f"README.md has no '## {title}' section and no link to one (docs/PAGE.md#{anchor(title)})"
+    page = links[0]
+    assert (REPO / page).is_file(), f"README.md links '{title}' to {page}, which does not exist"
+    return page, (REPO / page).read_text()
+
+
+def section_blocks(title: str) -> list[str]:
+    page, text = section_source(title)
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert m, f"{page} has no '## {title}' section (the README links it there)"
     return re.findall(r"```bash\n(.*?)```", m.group(1), re.S)
 
 
@@ -31,13 +53,13 @@ def runnable(blocks: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("title", SECTIONS)
 def test_section_exists_with_commands(title):
-    blocks = section_blocks((REPO / "README.md").read_text(), title)
+    blocks = section_blocks(title)
     assert blocks, f"'{title}' shows no commands"
 
 
 @pytest.mark.parametrize("title", SECTIONS)
 def test_section_commands_run(title, tmp_path, prefect_home_template):
-    blocks = runnable(section_blocks((REPO / "README.md").read_text(), title))
+    blocks = runnable(section_blocks(title))
     if not blocks:
         pytest.skip(f"every block of '{title}' needs Docker or a cloud account")
     (tmp_path / "configs").symlink_to(REPO / "configs")
