@@ -442,6 +442,8 @@ def main() -> None:
         code = 1
     if _GUARD.signalled and code not in (0, 76):
         code = EXIT_PREEMPTED  # whatever was running when the signal came, the documented code is 75
+    # Prefect's "Stopping temporary server" at exit would stand after memfit's last line (the result or error).
+    logging.getLogger("prefect").setLevel(logging.WARNING)
     _GUARD.exit(code)
 
 

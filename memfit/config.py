@@ -299,10 +299,12 @@ class DeployConfig(_Section):
     retrain_cron: str | None = Field(None, description="Cron schedule of the retrain deployment, e.g. "
                                      "'0 3 * * *' (03:00 daily); unset: no schedule, runs only on demand.")
     timezone: str = Field("UTC", description="IANA time zone the cron schedule is read in, e.g. Europe/Berlin.")
-    training_slots: int = Field(1, ge=1, le=64, description="Runs that may train at once on this machine: a "
-                                "Prefect global concurrency limit, so two runs never share one GPU.")
+    training_slots: int = Field(1, ge=1, le=64, description="Runs that may train at once on this machine, so two "
+                                "runs never share one GPU: file locks in the Prefect home in the default mode "
+                                "(freed when a run dies), a Prefect global concurrency limit with a server.")
     concurrency_key: str = Field("memfit-training", min_length=1,
-                                 description="Name of the Prefect global concurrency limit held while training.")
+                                 description="Name of the training slot (the Prefect global concurrency limit "
+                                 "with a server) held while training.")
     retrain_data_uri: str | None = Field(
         None, description="Where scheduled retraining finds new data: a folder or s3://bucket/prefix of "
         ".txt/.jsonl files; the newest by name (e.g. 2026-11-30.jsonl) is used.")

@@ -264,6 +264,8 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
             # A fresh run, or a resume whose MLflow run is not in this store: the new run gets params and plan.
             _log_run_start(tracker, cfg, plan, data, probe_report)
         save_request = threading.Event()
+        log.info("training: steps %d to %d on %s, MLflow run %s", (resume.step or 0) + 1, cfg.train.max_steps,
+                 device, run_id)
         with stop_on_signals() as stop, spot_watcher(cfg.checkpoint.spot, stop, save_request):
             result = trainer.fit(stop, save_request)
     except BaseException:

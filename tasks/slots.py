@@ -7,11 +7,13 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
+from tqdm.auto import tqdm
 
 from memfit.config import MemfitConfig
 from memfit.slots import machine_slot
@@ -43,21 +45,44 @@ def training_slot(config: MemfitConfig) -> Iterator[None]:
     server reaps after a holder dies.
     """
     key, slots = config.deploy.concurrency_key, config.deploy.training_slots
-    if ephemeral_mode():
-        with machine_slot(slots_folder(), key, slots, run=config.run.name, notify=log.warning):
-            yield
-        return
-    ensure_training_slots(key, slots)
+    notify = _WaitNotice(key)
     with ExitStack() as stack:
-        start, wait = time.monotonic(), 5.0
-        while True:
-            try:
-                stack.enter_context(concurrency(key, occupy=1, lease_duration=LEASE_SECONDS, timeout_seconds=wait))
-                break
-            except TimeoutError:
-                log.warning(_server_wait_line(key, time.monotonic() - start))
-                wait = 30.0
+        stack.callback(notify.close)
+        if ephemeral_mode():
+            stack.enter_context(machine_slot(slots_folder(), key, slots, run=config.run.name, notify=notify))
+        else:
+            ensure_training_slots(key, slots)
+            start, wait = time.monotonic(), 5.0
+            while True:
+                try:
+                    stack.enter_context(concurrency(key, occupy=1, lease_duration=LEASE_SECONDS,
+                                                    timeout_seconds=wait))
+                    break
+                except TimeoutError:
+                    notify(_server_wait_line(key, time.monotonic() - start))
+                    wait = 30.0
+        notify.close()  # the slot is ours: the waiting line gives way to training's own progress line
         yield
+
+
+class _WaitNotice:
+    """A wait is said in the log (the terminal, the Prefect UI) and, on a terminal, in a progress line."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.bar: Any = None
+
+    def __call__(self, line: str) -> None:
+        log.warning(line)
+        if self.bar is None:
+            self.bar = tqdm(total=None, desc=f"waiting for a training slot ({self.key})",
+                            bar_format="{desc}: {elapsed}", disable=None, leave=False)
+        self.bar.update(0)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _server_wait_line(key: str, waited: float) -> str:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
 
 
-def memfit(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def memfit(*args: str, cwd: Path, timeout: int = 600, env: dict[str, str] | None = None
+           ) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "memfit.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -58,6 +60,26 @@ def test_missing_and_empty_data(tmp_path):
     empty.write_text("\n\n")
     _assert_clean_error(memfit("probe", TINY, *_outputs(tmp_path), "--set", f"data.path={empty}", cwd=tmp_path),
                         "data.path")
+
+
+@pytest.mark.parametrize("what", ["missing data", "empty data", "missing model"])
+def test_run_rejects_bad_inputs_in_one_line_before_prefect_starts(tmp_path, what):
+    """What the issue's user typed: `memfit run configs/tiny.yaml --set data.path=/nonexistent/data.txt`."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text(" \n\n")
+    setting, field = {"missing data": (f"data.path={tmp_path / 'nonexistent' / 'data.txt'}", "data.path"),
+                      "empty data": (f"data.path={empty}", "data.path"),
+                      "missing model": (f"model.name_or_path={tmp_path / 'nonexistent' / 'model'}",
+                                        "model.name_or_path")}[what]
+    started = time.monotonic()
+    proc = memfit("run", TINY, "--set", setting, cwd=tmp_path, env={"PREFECT_HOME": str(tmp_path / "prefect")})
+    took = time.monotonic() - started
+    _assert_clean_error(proc, field)
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert len(lines) <= 3, lines
+    assert lines[-1].startswith(f"error: {field}: ")
+    assert not (tmp_path / "prefect").exists()  # refused before any Prefect server or database
+    assert took < 10, f"{took:.1f} s"  # the issue's bound: in seconds, not after the server's start-up
 
 
 def test_unknown_model_path(tmp_path):

@@ -1,0 +1,131 @@
+"""The default mode as users run it (no PREFECT_API_URL, one Prefect home): slots, stop signals, one-line errors.
+
+One run trains and holds the training slot; a second waits for it and says so, and SIGTERM ends it at once
+with exit 75; Ctrl-C during Prefect's start-up does the same; an error inside a task is memfit's one line;
+then the holder is SIGKILLed and the next run trains at once, and no Prefect server outlives its run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+class Cli:
+    """`python -m memfit.cli run TINY ...` in its own process group, stderr to a file we can poll."""
+
+    def __init__(self, folder: Path, home: Path, *sets: str) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.err_path = folder / "stderr.txt"
+        args = [a for s in (*sets, "export.onnx=false", "tracking.system_metrics=false") for a in ("--set", s)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "PREFECT_HOME": str(home)}
+        env.pop("PREFECT_API_URL", None)
+        with self.err_path.open("w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", "run", TINY, *args], cwd=folder,
+                                         env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+
+    @property
+    def err(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def wait_for(self, needle: str, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while needle not in self.err:
+            assert self.proc.poll() is None or needle in self.err, f"exited {self.proc.returncode}:\n{self.err[-3000:]}"
+            assert time.monotonic() < deadline, f"no {needle!r} within {timeout} s:\n{self.err[-3000:]}"
+            time.sleep(0.2)
+
+    def signal_group(self, sig: int) -> None:
+        os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal_group(signal.SIGKILL)
+            raise AssertionError(f"still running after {timeout} s:\n{self.err[-3000:]}") from None
+
+
+def _servers_of(home: Path) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "uvicorn" in " ".join(p.info["cmdline"] or []) and p.environ().get("PREFECT_HOME") == str(home):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture()
+def home(tmp_path, prefect_home_template) -> Path:
+    shared = tmp_path / "prefect-home"
+    shutil.copytree(prefect_home_template, shared)
+    return shared
+
+
+def _sets(folder: Path, *extra: str) -> tuple[str, ...]:
+    return (f"run.work_dir={folder / 'work'}", f"checkpoint.uri={folder / 'checkpoints'}",
+            f"export.dir={folder / 'export'}", "checkpoint.grace_seconds=20", *extra)
+
+
+def test_slots_signals_and_errors_in_the_default_mode(tmp_path, home):
+    holder = Cli(tmp_path / "holder", home, *_sets(tmp_path / "holder", "train.max_steps=100000",
+                                                   "checkpoint.every_steps=100000"))
+    try:
+        holder.wait_for("Beginning flow run")
+        holder.wait_for("training: steps")  # past the slot: training has started
+        waiter = Cli(tmp_path / "waiter", home, *_sets(tmp_path / "waiter", "train.max_steps=4"))
+        bad_model = tmp_path / "bad-model"
+        bad_model.mkdir()
+        (bad_model / "config.json").write_text('{"model_type": "llama"}')  # passes preflight, fails to load
+        broken = Cli(tmp_path / "broken", home, *_sets(tmp_path / "broken", f"model.name_or_path={bad_model}"))
+
+        # The waiter says what it waits for and who holds it, then SIGTERM ends it within the grace, exit 75.
+        waiter.wait_for("for a training slot")
+        assert f"pid {holder.proc.pid}" in waiter.err and "deploy.training_slots" in waiter.err
+        waiter.signal_group(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert waiter.wait(30) == 75, waiter.err[-3000:]
+        assert time.monotonic() - t0 < 20  # checkpoint.grace_seconds
+        assert waiter.err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
+        assert "Traceback" not in waiter.err
+
+        # An error raised inside a task: memfit's one line, naming the file that holds the traceback.
+        assert broken.wait(240) == 2, broken.err[-3000:]
+        assert "Traceback" not in broken.err
+        last = [ln for ln in broken.err.splitlines() if ln.startswith("error: ")][-1]
+        assert last.startswith("error: model.name_or_path: could not load") and "traceback: " in last
+        log_file = Path(last.rsplit("traceback: ", 1)[1].split(";")[0])
+        assert "Traceback" in (tmp_path / "broken" / log_file).read_text()
+
+        # Ctrl-C while Prefect's server starts: the same clean exit 75.
+        early = Cli(tmp_path / "early", home, *_sets(tmp_path / "early"))
+        early.wait_for("Starting temporary server")
+        early.signal_group(signal.SIGINT)
+        assert early.wait(30) == 75, early.err[-3000:]
+        assert "Traceback" not in early.err
+    finally:
+        holder.signal_group(signal.SIGKILL)  # the spot reclaim / OOM kill
+        holder.proc.wait(30)
+
+    # The next run on this machine trains at once: the dead holder's slot went with it.
+    after = Cli(tmp_path / "after", home, *_sets(tmp_path / "after", "train.max_steps=4"))
+    assert after.wait(300) == 0, after.err[-3000:]
+    assert "for a training slot" not in after.err
+    deadline = time.monotonic() + 20  # the reapers stop each run's server; none outlives its run
+    while _servers_of(home) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _servers_of(home) == []
