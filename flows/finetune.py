@@ -35,7 +35,7 @@ def finetune(config: MemfitConfig = MemfitConfig()) -> RunSummary:  # noqa: B008
         safetensors_dir=exported.safetensors_dir, onnx_path=exported.onnx_path, steps=trained.steps,
         initial_val_loss=trained.initial_val_loss, final_val_loss=exported.final_val_loss,
         final_val_perplexity=exported.final_val_perplexity, onnx_max_abs_diff=exported.onnx_max_abs_diff,
-        plan=plan, baseline=probe.baseline, export_uri=exported.export_uri,
+        plan=plan, baseline=probe.baseline, export_uri=exported.export_uri, onnx_error=exported.onnx_error,
         **_registry_fields(exported.registry),
     )
 

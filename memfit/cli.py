@@ -106,6 +106,9 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
             typer.echo(f"eval gate {'passed' if summary.gate_passed else 'FAILED'} ({summary.gate_reason}); "
                        + (f"registered {summary.registered_model} version {summary.model_version}"
                           if summary.model_version else "nothing registered"))
+    if summary.onnx_error:  # everything else is done and recorded; the exit code says the ONNX part is not
+        typer.echo(f"error: {summary.onnx_error}", err=True)
+        raise typer.Exit(2)
 
 
 @app.command()
@@ -395,6 +398,9 @@ def export_cmd(
                                                        "checkpoint root (its newest verified one); local or s3://.")],
     out: Annotated[Path, typer.Option("--out", help="Output folder: OUT/hf (SafeTensors) and OUT/model.onnx.")],
     onnx: Annotated[bool, typer.Option("--onnx/--no-onnx", help="Also export ONNX and check its parity.")] = True,
+    onnx_only: Annotated[bool, typer.Option("--onnx-only", help="Redo only OUT/model.onnx (e.g. after a run's ONNX "
+                                                                "export failed); OUT/hf is left as it is.")] = False,
+    set_: SetOpt = None,
     upload: Annotated[str | None, typer.Option("--upload", help="Also upload the export here (folder or "
                                                                 "s3://bucket/prefix), manifest last.")] = None,
     as_json: JsonOpt = False,
@@ -404,17 +410,23 @@ def export_cmd(
     try:
         from memfit.exporting import export_checkpoint
 
-        report = export_checkpoint(checkpoint_uri, out, onnx=onnx, upload_uri=upload)
+        report = export_checkpoint(checkpoint_uri, out, onnx=onnx, onnx_only=onnx_only, upload_uri=upload,
+                                   overrides=set_)
     except MemfitError as err:
         _fail(err)
-    lines = [f"exported step {report['step']} of {report['checkpoint']}",
-             f"SafeTensors: {report['safetensors_dir']} "
-             f"(reloaded, max |diff| {report['safetensors_max_abs_diff']:.2e})"]
+    lines = [f"exported step {report['step']} of {report['checkpoint']}"]
+    if report["safetensors_dir"]:
+        lines.append(f"SafeTensors: {report['safetensors_dir']} "
+                     f"(reloaded, max |diff| {report['safetensors_max_abs_diff']:.2e})")
     if report["onnx_path"]:
-        shapes = ", ".join(f"{p['batch']}x{p['seq']}" for p in report["onnx_parity"])
+        parity, c = report["onnx_parity"], report["onnx_criteria"]
+        shapes = ", ".join(f"{p['batch']}x{p['seq']}" for p in parity)
+        agree, positions = sum(p["top1_agree"] for p in parity), sum(p["positions"] for p in parity)
         lines.append(f"ONNX: {report['onnx_path']} (opset {report['onnx_opset']}); parity max |onnxruntime - "
-                     f"PyTorch| = {report['onnx_max_abs_diff']:.3e} over shapes {shapes} (threshold "
-                     f"{report['onnx_atol']:g}: within)")
+                     f"PyTorch| = {report['onnx_max_abs_diff']:.3e} over shapes {shapes}, "
+                     f"{max(p['relative'] for p in parity):.2g} of max |logit| (limit {c['rtol']:g}), "
+                     f"max KL {max(p['max_kl'] for p in parity):.2g} (limit {c['max_kl']:g}), "
+                     f"top-1 {agree}/{positions} (min {c['min_top1']:.0%}): within")
     if report["uploaded_uri"]:
         lines.append(f"uploaded: {report['uploaded_uri']} (manifest.json last)")
     for line in lines:  # with --json the human lines go to stderr: stdout is the JSON object alone

@@ -11,7 +11,7 @@ import json
 import os
 import secrets
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 
 import memfit
 from memfit.errors import ExportError
+from memfit.parity import ParityCriteria, ShapeParity, parity_failure, shape_parity
 
 MANIFEST_NAME = "memfit-export.json"
 # Beside an ONNX file: <name>.memfit.json (memfit version, source run, parity per shape, checksums).
@@ -49,8 +50,9 @@ class OnnxExport:
     shapes: list[tuple[int, int]]
     external_data: bool
     sha256: str
-    per_shape: list[tuple[tuple[int, int], float]] | None = None
+    per_shape: list[ShapeParity] | None = None
     metadata_path: str | None = None
+    criteria: ParityCriteria | None = None
 
 
 def sha256_file(path: str | Path) -> str:
@@ -268,7 +270,7 @@ def _fp32_cpu(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).to(device="cpu", dtype=torch.float32)
 
 
-def _parity(path: Path, model: nn.Module, shapes) -> list[tuple[tuple[int, int], float]]:
+def _parity(path: Path, model: nn.Module, shapes) -> list[ShapeParity]:
     import onnxruntime as ort
 
     wrapper = _LogitsOnly(_fp32_cpu(model)).eval()
@@ -282,35 +284,30 @@ def _parity(path: Path, model: nn.Module, shapes) -> list[tuple[tuple[int, int],
         got = session.run(["logits"], {"input_ids": ids.numpy()})[0]
         if got.shape != ref.shape:
             raise ExportError(f"ONNX model {path} returned logits shaped {got.shape}, expected {ref.shape}.")
-        out.append(((batch, seq), float(abs(got.astype("float32") - ref).max())))
+        out.append(shape_parity(ref, got))
     return out
 
 
-def verify_onnx(path: str | Path, model: nn.Module, shapes=DEFAULT_SHAPES, atol: float = 1e-4) -> float:
-    """Max |onnxruntime - PyTorch fp32| logits over `shapes` ((batch, seq) pairs); ExportError above atol."""
-    return _verify(Path(path), model, shapes, atol, label=str(path))[0]
+def verify_onnx(path: str | Path, model: nn.Module, shapes=DEFAULT_SHAPES,
+                criteria: ParityCriteria = ParityCriteria()) -> list[ShapeParity]:  # noqa: B008 - frozen
+    """Parity of onnxruntime vs PyTorch fp32 logits at `shapes` ((batch, seq) pairs); ExportError if not met."""
+    return _verify(Path(path), model, shapes, criteria, label=str(path))
 
 
-def _verify(path: Path, model: nn.Module, shapes, atol: float, label: str
-            ) -> tuple[float, list[tuple[tuple[int, int], float]]]:
+def _verify(path: Path, model: nn.Module, shapes, criteria: ParityCriteria, label: str) -> list[ShapeParity]:
     # `label` names the file the user knows about, not the temporary one being checked.
-    diffs = _parity(path, model, [tuple(s) for s in shapes])
-    worst_shape, worst = max(diffs, key=lambda d: d[1] if d[1] == d[1] else float("inf"))
-    if not worst <= atol:  # `not <=` so a NaN difference fails too
-        per_shape = ", ".join(f"{b}x{s}: {d:.3g}" for (b, s), d in diffs)
-        raise ExportError(
-            f"ONNX parity failed for {label}: max |onnxruntime - PyTorch| = {worst:.3g} at shape "
-            f"(batch={worst_shape[0]}, seq={worst_shape[1]}) exceeds atol = {atol:g} "
-            f"(per shape: {per_shape})."
-        )
-    return worst, diffs
+    figures = _parity(path, model, [tuple(s) for s in shapes])
+    failure = parity_failure(label, figures, criteria)
+    if failure:
+        raise ExportError(failure)
+    return figures
 
 
 def export_onnx(
     model,
     out_path: str | Path,
     *,
-    atol: float = 1e-4,
+    criteria: ParityCriteria = ParityCriteria(),  # noqa: B008 - frozen dataclass
     opset: int | None = None,
     shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES,
     metadata: dict | None = None,
@@ -372,7 +369,8 @@ def export_onnx(
         proto = onnx.load(str(staged), load_external_data=False)
         opset_found = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
         del proto
-        diff, per_shape = _verify(staged, src, shapes, atol, label=f"{out_path} (not written)")
+        per_shape = _verify(staged, src, shapes, criteria, label=f"{out_path} (not written)")
+        diff = max(p.max_abs_diff for p in per_shape)
         digest = sha256_file(staged)
         has_data = (tmp / data_name).exists()
         files = {out_path.name: {"bytes": staged.stat().st_size, "sha256": digest}}
@@ -386,8 +384,8 @@ def export_onnx(
             "opset": int(opset_found),
             "inputs": ["input_ids"], "outputs": ["logits"], "dynamic_axes": ["batch", "sequence"],
             "max_abs_diff": diff,
-            "atol": atol,
-            "parity": [{"batch": b, "seq": q, "max_abs_diff": d} for (b, q), d in per_shape],
+            "parity_criteria": asdict(criteria),
+            "parity": [p.to_dict() for p in per_shape],
             "external_data": has_data,
             "metadata": metadata or {},
             "files": files,
@@ -422,4 +420,5 @@ def export_onnx(
         sha256=digest,
         per_shape=per_shape,
         metadata_path=str(meta_path),
+        criteria=criteria,
     )

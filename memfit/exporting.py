@@ -15,7 +15,7 @@ import yaml
 
 import memfit
 from memfit.checkpointing import CheckpointManager, LoadedCheckpoint
-from memfit.errors import CheckpointError, ExportError, MemfitError, StorageError
+from memfit.errors import CheckpointError, ConfigError, ExportError, MemfitError, StorageError
 
 log = logging.getLogger("memfit.exporting")
 
@@ -31,13 +31,16 @@ class ExportFiles:
     """A verified export on local disk."""
 
     dir: str
-    safetensors_dir: str
-    safetensors_max_abs_diff: float
+    safetensors_dir: str | None  # None: ONNX only (`memfit export --onnx-only`)
+    safetensors_max_abs_diff: float | None
     onnx_path: str | None = None
     onnx_max_abs_diff: float | None = None
     onnx_opset: int | None = None
+    # The absolute bound (onnx_atol + onnx_rtol x max |logit|) at the shape where the difference was largest.
     onnx_atol: float | None = None
-    onnx_parity: list[dict[str, Any]] | None = None
+    onnx_parity: list[dict[str, Any]] | None = None  # memfit.parity.ShapeParity per verification shape
+    onnx_criteria: dict[str, float] | None = None
+    onnx_error: str | None = None  # why the ONNX export failed; the SafeTensors export is still valid
     uploaded_uri: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -82,15 +85,17 @@ def resolve_checkpoint(uri: str, dest: Path) -> LoadedCheckpoint:
         manager.close()
 
 
-def config_from_checkpoint(loaded: LoadedCheckpoint, uri: str) -> Any:
-    """The run's config, as saved in the training checkpoint (they are self-describing)."""
-    from memfit.config import from_dict
+def config_from_checkpoint(loaded: LoadedCheckpoint, uri: str, overrides: list[str] | None = None) -> Any:
+    """The run's config, as saved in the training checkpoint (they are self-describing), then `overrides`."""
+    from memfit.config import apply_overrides, from_dict
 
     try:
         data = yaml.safe_load(loaded.config_yaml) or {}
     except yaml.YAMLError as err:
         raise CheckpointError(f"{uri}: config.yaml of the training checkpoint is not valid YAML ({err})") from None
-    return from_dict(data, source=f"{loaded.info.uri}/config.yaml")
+    source = f"{loaded.info.uri}/config.yaml"
+    apply_overrides(data, overrides)
+    return from_dict(data, source=source + (" + --set " + " ".join(overrides) if overrides else ""))
 
 
 def model_for_checkpoint(cfg: Any, work_dir: Path) -> tuple[Any, Any]:
@@ -113,34 +118,60 @@ def model_for_checkpoint(cfg: Any, work_dir: Path) -> tuple[Any, Any]:
 
 
 # -- exporting ----------------------------------------------------------------------------------------
-def export_model(model: Any, tokenizer: Any, out_dir: str | Path, *, onnx: bool = True, onnx_atol: float = 1e-4,
-                 opset: int | None = None, metadata: dict[str, Any] | None = None) -> ExportFiles:
-    """SafeTensors folder (out_dir/hf) then ONNX (out_dir/model.onnx), each verified; ONNX failing keeps the first."""
+def parity_criteria(export_cfg: Any) -> Any:
+    """memfit.parity.ParityCriteria from ExportConfig's onnx_* fields."""
+    from memfit.parity import ParityCriteria
+
+    return ParityCriteria(rtol=export_cfg.onnx_rtol, atol=export_cfg.onnx_atol, min_top1=export_cfg.onnx_min_top1,
+                          max_kl=export_cfg.onnx_max_kl)
+
+
+def export_model(model: Any, tokenizer: Any, out_dir: str | Path, *, onnx: bool = True, safetensors: bool = True,
+                 criteria: Any = None, opset: int | None = None,
+                 metadata: dict[str, Any] | None = None) -> ExportFiles:
+    """SafeTensors folder (out_dir/hf) then ONNX (out_dir/model.onnx), each verified.
+
+    A SafeTensors failure raises; an ONNX failure is recorded in `onnx_error` and returned, because the
+    SafeTensors export is complete and valid without it (the caller decides how loudly to fail).
+    """
     import torch
 
     from memfit.export import export_onnx, export_safetensors
+    from memfit.parity import ParityCriteria
 
     out = Path(out_dir).absolute()
     model.to(dtype=torch.float32)
-    st = export_safetensors(model, tokenizer, out / HF_DIR, metadata=metadata)
-    files = ExportFiles(dir=str(out), safetensors_dir=st.dir, safetensors_max_abs_diff=st.max_abs_diff)
+    files = ExportFiles(dir=str(out), safetensors_dir=None, safetensors_max_abs_diff=None)
+    if safetensors:
+        st = export_safetensors(model, tokenizer, out / HF_DIR, metadata=metadata)
+        files.safetensors_dir, files.safetensors_max_abs_diff = st.dir, st.max_abs_diff
     if not onnx:
         return files
+    criteria = criteria or ParityCriteria()
     try:
-        res = export_onnx(model.cpu(), out / ONNX_FILE, atol=onnx_atol, opset=opset, metadata=metadata)
+        res = export_onnx(model.cpu(), out / ONNX_FILE, criteria=criteria, opset=opset, metadata=metadata)
     except ExportError as err:
-        raise ExportError(f"{err} The verified SafeTensors export is kept at {st.dir}.") from None
+        files.onnx_error = str(err).replace("\n", " ")  # one line, even for the exporter's own log
+        log.error("%s", files.onnx_error)
+        return files
+    worst = max(res.per_shape, key=lambda p: p.max_abs_diff)
     files.onnx_path, files.onnx_max_abs_diff, files.onnx_opset = res.path, res.max_abs_diff, res.opset
-    files.onnx_atol = onnx_atol
-    files.onnx_parity = [{"batch": b, "seq": s, "max_abs_diff": d} for (b, s), d in (res.per_shape or [])]
+    files.onnx_atol = criteria.tolerance(worst.max_abs_logit)
+    files.onnx_parity = [p.to_dict() for p in res.per_shape]
+    files.onnx_criteria = asdict(criteria)
     return files
+
+
+def onnx_redo_command(checkpoint_uri: str, out_dir: str) -> str:
+    """The command that redoes only the ONNX export of a training checkpoint (the SafeTensors folder stays)."""
+    return f"memfit export {checkpoint_uri} --out {out_dir} --onnx-only"
 
 
 def _export_paths(files: ExportFiles) -> dict[str, Path]:
     """Store key → local file for everything an export consists of."""
     out = Path(files.dir)
-    paths = {f"{HF_DIR}/{p.relative_to(files.safetensors_dir).as_posix()}": p
-             for p in sorted(Path(files.safetensors_dir).rglob("*")) if p.is_file()}
+    hf = [] if files.safetensors_dir is None else sorted(Path(files.safetensors_dir).rglob("*"))
+    paths = {f"{HF_DIR}/{p.relative_to(files.safetensors_dir).as_posix()}": p for p in hf if p.is_file()}
     if files.onnx_path:
         onnx = Path(files.onnx_path)
         for p in (onnx, onnx.with_name(onnx.name + ".data"), onnx.with_name(onnx.name + ".memfit.json")):
@@ -190,14 +221,21 @@ def download_export(uri: str, dest: str | Path) -> Path:
     return dest
 
 
-def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, upload_uri: str | None = None,
-                      onnx_atol: float | None = None) -> dict[str, Any]:
-    """`memfit export`: any training checkpoint (local or S3) → verified exports in out_dir (and upload_uri)."""
+def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_only: bool = False,
+                      upload_uri: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """`memfit export`: any training checkpoint (local or S3) → verified exports in out_dir (and upload_uri).
+
+    `onnx_only` redoes just out_dir/model.onnx and leaves out_dir/hf alone; `overrides` (`export.onnx_rtol=…`)
+    change the checkpoint's saved config for this export. An ONNX failure raises ExportError.
+    """
     from memfit.env import pin_threads
 
+    if onnx_only and (upload_uri or not onnx):
+        raise ConfigError("--onnx-only exports only model.onnx: it cannot be combined with --no-onnx or --upload "
+                          "(an upload needs the whole export; run without --onnx-only)")
     with tempfile.TemporaryDirectory(prefix="memfit-export-") as tmp:
         loaded = resolve_checkpoint(uri, Path(tmp) / "checkpoint")
-        cfg = config_from_checkpoint(loaded, uri)
+        cfg = config_from_checkpoint(loaded, uri, overrides)
         pin_threads(cfg.train.num_threads)
         model, tokenizer = model_for_checkpoint(cfg, Path(tmp) / "work")
         try:
@@ -208,9 +246,13 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, uploa
         metadata = {"source_checkpoint": loaded.info.uri, "step": loaded.step,
                     "mlflow_run_id": loaded.state.get("mlflow_run_id"),
                     "model_source": cfg.model.name_or_path or f"preset:{cfg.model.preset}"}
-        files = export_model(model, tokenizer, out_dir, onnx=onnx,
-                             onnx_atol=onnx_atol if onnx_atol is not None else cfg.export.onnx_atol,
-                             opset=cfg.export.opset, metadata=metadata)
+        files = export_model(model, tokenizer, out_dir, onnx=onnx, safetensors=not onnx_only,
+                             criteria=parity_criteria(cfg.export), opset=cfg.export.opset, metadata=metadata)
+    if files.onnx_error:
+        kept = f" The verified SafeTensors export is kept at {files.safetensors_dir}." if files.safetensors_dir else ""
+        raise ExportError(f"{files.onnx_error}{kept} Redo only the ONNX with "
+                          f"`{onnx_redo_command(uri, files.dir)}` (add --set export.onnx_<field>=… to change a "
+                          "parity limit).")
     if upload_uri:
         files.uploaded_uri = upload_export(files, upload_uri, metadata)
     return {"checkpoint": loaded.info.uri, "step": loaded.step, "run_name": cfg.run.name, **files.to_dict(),

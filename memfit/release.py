@@ -10,7 +10,7 @@ from typing import Any
 
 from memfit.config import MemfitConfig
 from memfit.evaluation import log_loss_curve, run_description
-from memfit.exporting import ExportFiles, export_model, upload_export
+from memfit.exporting import ExportFiles, export_model, onnx_redo_command, parity_criteria, upload_export
 from memfit.registry import publish
 from memfit.reports import ExportReport
 from memfit.tracking.mlflow_tracker import MLflowTracker
@@ -20,12 +20,24 @@ log = logging.getLogger("memfit.release")
 
 def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: dict[str, Any],
             metrics: dict[str, float], step: int) -> ExportReport:
-    """Verified exports, their upload and MLflow artifacts, the loss curve, then the gate and the registry."""
-    files = export_model(model, tokenizer, cfg.export.dir, onnx=cfg.export.onnx, onnx_atol=cfg.export.onnx_atol,
+    """Verified exports, their upload and MLflow artifacts, the loss curve, then the gate and the registry.
+
+    A failed ONNX export does not stop the rest: the report's `onnx_error` says what failed and how to redo it.
+    """
+    files = export_model(model, tokenizer, cfg.export.dir, onnx=cfg.export.onnx, criteria=parity_criteria(cfg.export),
                          opset=cfg.export.opset, metadata=meta)
-    if files.onnx_max_abs_diff is not None:
-        tracker.log_metrics({"onnx_max_abs_diff": files.onnx_max_abs_diff}, step=step)
     tags = {}
+    onnx_error = None
+    if files.onnx_max_abs_diff is not None:
+        worst = max(files.onnx_parity, key=lambda p: p["relative"])
+        tracker.log_metrics({"onnx_max_abs_diff": files.onnx_max_abs_diff, "onnx_max_relative_diff": worst["relative"],
+                             "onnx_max_kl": max(p["max_kl"] for p in files.onnx_parity)}, step=step)
+    if files.onnx_error:
+        redo = onnx_redo_command(meta["source_checkpoint"], files.dir)
+        onnx_error = (f"{files.onnx_error} The SafeTensors export, evaluation, MLflow run and registry steps "
+                      f"completed; redo only the ONNX with `{redo}`.")
+        tags["memfit.onnx_error"] = onnx_error[:4000]
+        tracker.set_tags({"memfit.onnx_error": tags["memfit.onnx_error"]})  # now: visible even if a later step fails
     if cfg.export.uri:  # one folder per run: a candidate that fails the gate never overwrites the champion's
         target = f"{cfg.export.uri.rstrip('/')}/{meta['mlflow_run_id']}"
         files.uploaded_uri = upload_export(files, target, meta)
@@ -45,7 +57,8 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
     log_export_artifacts(tracker, files, weights_in_model=outcome is not None)
     log_loss_curve(tracker, cfg.run.name)
     summary = {"val_loss": round(metrics["val_loss"], 5), "val_perplexity": round(metrics["val_perplexity"], 4),
-               "onnx_max_abs_diff": files.onnx_max_abs_diff, "export": files.dir, "uploaded_to": files.uploaded_uri,
+               "onnx_max_abs_diff": files.onnx_max_abs_diff, "onnx_error": files.onnx_error,
+               "export": files.dir, "uploaded_to": files.uploaded_uri,
                **({"gate": outcome.gate_reason, "registered": f"{outcome.model_name} v{outcome.version}"
                    if outcome.version else "no"} if outcome else {})}
     tracker.set_tags({**tags, "memfit.status": "completed", "mlflow.note.content": run_description(summary)})
@@ -53,7 +66,8 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                         safetensors_dir=files.safetensors_dir, safetensors_max_abs_diff=files.safetensors_max_abs_diff,
                         onnx_path=files.onnx_path, onnx_max_abs_diff=files.onnx_max_abs_diff,
                         onnx_opset=files.onnx_opset, source_checkpoint=str(meta["source_checkpoint"]),
-                        export_uri=files.uploaded_uri, registry=outcome.to_dict() if outcome else None)
+                        export_uri=files.uploaded_uri, registry=outcome.to_dict() if outcome else None,
+                        onnx_error=onnx_error)
 
 
 def log_export_artifacts(tracker: Any, files: ExportFiles, weights_in_model: bool) -> None:

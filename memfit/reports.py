@@ -92,6 +92,8 @@ class ExportReport(_Report):
     registry: dict[str, Any] | None = Field(None, description="Gate result and registered version (registry.py).")
     generations: list[dict[str, Any]] = Field(default_factory=list, description="Greedy continuations of "
                                               "eval.prompts.")
+    onnx_error: str | None = Field(None, description="Why the ONNX export failed (one line, with the command that "
+                                   "redoes it); everything else in phase 5 completed.")
 
 
 class RunSummary(_Report):
@@ -116,3 +118,5 @@ class RunSummary(_Report):
     gate_passed: bool | None = None
     gate_reason: str | None = None
     export_uri: str | None = None
+    onnx_error: str | None = Field(None, description="Set when the ONNX export failed: `memfit run` prints it and "
+                                   "exits 2 after everything else completed.")
