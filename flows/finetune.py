@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from memfit.config import MemfitConfig
+from memfit.errors import OnnxExportFailed
 from memfit.pipeline import absolute_uri
 from memfit.reports import RunSummary
 from memfit.tracking import scrub
@@ -29,7 +30,7 @@ def finetune(config: MemfitConfig = MemfitConfig()) -> RunSummary:  # noqa: B008
     trained = train_task(config, plan, resume, probe)
     # Phase 5: evaluation + verified SafeTensors and ONNX exports.
     exported = export_task(config, trained)
-    return RunSummary(
+    summary = RunSummary(
         status="completed", run_name=config.run.name, mlflow_run_id=trained.mlflow_run_id,
         tracking_uri=scrub(config.tracking.resolved_uri()), checkpoint_uri=absolute_uri(config.checkpoint.uri),
         safetensors_dir=exported.safetensors_dir, onnx_path=exported.onnx_path, steps=trained.steps,
@@ -38,6 +39,9 @@ def finetune(config: MemfitConfig = MemfitConfig()) -> RunSummary:  # noqa: B008
         plan=plan, baseline=probe.baseline, export_uri=exported.export_uri, onnx_error=exported.onnx_error,
         **_registry_fields(exported.registry),
     )
+    if summary.onnx_error:  # the rest is done and recorded; the flow run fails so the UI and automations see it
+        raise OnnxExportFailed(summary.onnx_error, summary)
+    return summary
 
 
 def _registry_fields(outcome: dict | None) -> dict:

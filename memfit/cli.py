@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from memfit.errors import ConfigError, MemfitError
+from memfit.errors import ConfigError, MemfitError, OnnxExportFailed
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune language models on the GPU you have; keep runs alive on spot machines.")
@@ -82,6 +82,9 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
                                           lambda: _GUARD is not None and _GUARD.signalled)
         bind_ephemeral_server()  # no PREFECT_API_URL: a server that cannot outlive this process
         summary = finetune(config=cfg)
+    except OnnxExportFailed as err:  # everything else is done: the summary first, then the one line
+        _print_summary(err.summary, as_json)
+        _fail(err)
     except MemfitError as err:
         _fail(err, f" (traceback: {quiet.log_file}; --debug shows it here)" if quiet and quiet.holds(err) else "")
     except BaseException:
@@ -96,19 +99,20 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
             from flows.console import remove_filters
 
             remove_filters()
+    _print_summary(summary, as_json)
+
+
+def _print_summary(summary: Any, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(summary.model_dump(mode="json"), sort_keys=True))
-    else:
-        typer.echo(f"done: {summary.steps} steps, val loss {summary.initial_val_loss:.4f} -> "
-                   f"{summary.final_val_loss:.4f}; MLflow run {summary.mlflow_run_id} at {summary.tracking_uri}; "
-                   f"export {summary.safetensors_dir}" + (f" + {summary.onnx_path}" if summary.onnx_path else ""))
-        if summary.gate_passed is not None:
-            typer.echo(f"eval gate {'passed' if summary.gate_passed else 'FAILED'} ({summary.gate_reason}); "
-                       + (f"registered {summary.registered_model} version {summary.model_version}"
-                          if summary.model_version else "nothing registered"))
-    if summary.onnx_error:  # everything else is done and recorded; the exit code says the ONNX part is not
-        typer.echo(f"error: {summary.onnx_error}", err=True)
-        raise typer.Exit(2)
+        return
+    typer.echo(f"done: {summary.steps} steps, val loss {summary.initial_val_loss:.4f} -> "
+               f"{summary.final_val_loss:.4f}; MLflow run {summary.mlflow_run_id} at {summary.tracking_uri}; "
+               f"export {summary.safetensors_dir}" + (f" + {summary.onnx_path}" if summary.onnx_path else ""))
+    if summary.gate_passed is not None:
+        typer.echo(f"eval gate {'passed' if summary.gate_passed else 'FAILED'} ({summary.gate_reason}); "
+                   + (f"registered {summary.registered_model} version {summary.model_version}"
+                      if summary.model_version else "nothing registered"))
 
 
 @app.command()

@@ -35,6 +35,14 @@ class ExportError(MemfitError):
     """An export could not be written or failed verification."""
 
 
+class OnnxExportFailed(ExportError):
+    """Everything of a run is done and recorded except a verified ONNX file; `summary` holds the rest."""
+
+    def __init__(self, message: str, summary: object = None) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
 class TrackingError(MemfitError):
     """The experiment tracker could not be reached."""
 

@@ -19,7 +19,7 @@ def _or_nan(value: float | None) -> float:
 def export_task(config: MemfitConfig, trained: TrainReport) -> ExportReport:
     report = pipeline.evaluate_and_export(config, trained)
     onnx = (f"`{report.onnx_path}` (opset {report.onnx_opset}, max abs diff {report.onnx_max_abs_diff:.2e})"
-            if report.onnx_path else "off")
+            if report.onnx_path else f"**failed**: {report.onnx_error}" if report.onnx_error else "off")
     create_markdown_artifact(
         key="eval-and-export",
         description="Evaluation and verified exports",
