@@ -73,14 +73,18 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
         # Missing data or model, unwritable outputs, a missing bucket, bad credentials: one line, in seconds,
         # before Prefect starts.
         preflight(cfg)
+        from flows.ephemeral import start_ephemeral_server
+
+        # No PREFECT_API_URL: a server that cannot outlive this process, starting while torch and the flow import.
+        server = start_ephemeral_server()
         from flows.console import quiet_expected_errors
-        from flows.ephemeral import bind_ephemeral_server
         from flows.finetune import finetune
 
         if not debug:
             quiet = quiet_expected_errors(Path(cfg.run.work_dir) / "logs" / "errors.log",
                                           lambda: _GUARD is not None and _GUARD.signalled)
-        bind_ephemeral_server()  # no PREFECT_API_URL: a server that cannot outlive this process
+        if server is not None:
+            server.wait()
         summary = finetune(config=cfg)
     except OnnxExportFailed as err:  # everything else is done: the summary first, then the one line
         _print_summary(err.summary, as_json)

@@ -7,25 +7,41 @@ import subprocess
 import sys
 from typing import Any
 
-# Runs in its own small process: SIGTERM (sent by the kernel when memfit dies, or at its normal exit) ends the
-# target, if it is still the process it was (a PID can be reused once the target is gone).
+# Runs in its own small process and session. memfit writes "PID CREATE_TIME" lines to its stdin, one per process
+# to end with memfit. When memfit dies (SIGTERM from the kernel through PR_SET_PDEATHSIG, or its stdin reaching
+# EOF as the kernel closes memfit's files) or exits normally, the reaper ends each of them that is still the
+# process it was (a PID can be reused once the target is gone).
 _REAPER = """
-import os, signal, sys, time
+import os, signal, sys, threading
 import psutil
-target, started, parent = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+parent = int(sys.argv[1])
+targets, lock = [], threading.Lock()
 def end(*_):
-    try:
-        p = psutil.Process(target)
-        if abs(p.create_time() - started) < 0.01:
-            p.terminate()
+    with lock:
+        procs = []
+        for pid, started in targets:
             try:
-                p.wait(10)
-            except psutil.TimeoutExpired:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - started) < 0.01:
+                    p.terminate()
+                    procs.append(p)
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            try:
                 p.kill()
-    except psutil.Error:
-        pass
+            except psutil.Error:
+                pass
     os._exit(0)
 signal.signal(signal.SIGTERM, end)
+def read():
+    for line in sys.stdin:
+        pid, started = line.split()
+        with lock:
+            targets.append((int(pid), float(started)))
+    end()  # EOF: memfit is gone
+threading.Thread(target=read, daemon=True).start()
 if os.getppid() != parent:  # memfit died before the kernel could be told to signal this process
     end()
 while True:
@@ -53,22 +69,28 @@ def die_with_parent_hook() -> Any:
     return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def reap_with_this_process(pid: int) -> subprocess.Popen[bytes] | None:
-    """Make process `pid` (one memfit did not start itself, e.g. a library's server) end when this one does.
+class Reaper:
+    """A small process that ends the processes it is told of when this one ends, even on SIGKILL (Linux)."""
 
-    A reaper process tied to this one with PR_SET_PDEATHSIG terminates it. Call from the main thread: the
-    kernel signals the child when the *thread* that started it ends. Linux only; elsewhere None.
-    """
-    import os
+    def __init__(self) -> None:
+        import os
 
-    import psutil
+        hook = die_with_parent_hook()
+        self.proc: subprocess.Popen[bytes] | None = None
+        if hook is None:
+            return
+        # A session of its own: a SIGKILL to memfit's whole process group must leave the reaper alive to act.
+        # Start it from the main thread: the kernel signals the child when the *thread* that started it ends.
+        self.proc = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid())], stdin=subprocess.PIPE,
+                                     preexec_fn=hook, start_new_session=True)  # noqa: PLW1509
+        _reapers.append(self.proc)
 
-    hook = die_with_parent_hook()
-    if hook is None:
-        return None
-    started = psutil.Process(pid).create_time()
-    # A session of its own: a SIGKILL to memfit's whole process group must leave the reaper alive to act on it.
-    reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(pid), repr(started), str(os.getpid())],
-                              stdin=subprocess.DEVNULL, preexec_fn=hook, start_new_session=True)  # noqa: PLW1509
-    _reapers.append(reaper)
-    return reaper
+    def watch(self, pid: int) -> None:
+        """End process `pid` (one memfit did not start itself, e.g. a library's server) with this one."""
+        import psutil
+
+        if self.proc is None or self.proc.stdin is None:
+            return
+        started = psutil.Process(pid).create_time()
+        self.proc.stdin.write(f"{pid} {started!r}\n".encode())
+        self.proc.stdin.flush()
