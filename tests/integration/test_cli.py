@@ -122,7 +122,17 @@ def test_probe_json(tmp_path):
 
 
 def test_help_documents_every_command(tmp_path):
+    """Every command the app registers is listed in --help with its one-line summary, and has its own --help."""
+    from memfit.cli import app
+
     proc = memfit("--help", cwd=tmp_path)
-    assert proc.returncode == 0
-    for cmd in ("run", "probe", "config", "checkpoints", "export"):
-        assert cmd in proc.stdout
+    assert proc.returncode == 0, proc.stderr
+    rows = {ln.strip(" │").split()[0]: ln for ln in proc.stdout.splitlines() if ln.strip(" │")[:1].isalpha()}
+    commands = {c.name or c.callback.__name__.replace("_", "-"): c for c in app.registered_commands}
+    commands.update({g.name: g for g in app.registered_groups})
+    assert {"run", "probe", "config", "checkpoints", "export", "resume", "serve"} <= set(commands)
+    for name in commands:
+        assert name in rows, f"`memfit --help` does not list {name}:\n{proc.stdout}"
+        assert len(rows[name].split()) > 2, f"{name} has no summary in --help: {rows[name]!r}"
+    sub = memfit("run", "--help", cwd=tmp_path)
+    assert sub.returncode == 0 and "--set" in sub.stdout and "--json" in sub.stdout and "--debug" in sub.stdout
