@@ -92,6 +92,15 @@ def run_args(uri: str, *extra: str) -> list[str]:
     return ["run", TINY, *overrides(uri, *extra), "--json"]
 
 
+_live: list[Proc] = []  # every run started here, so an interrupted benchmark leaves no process behind
+
+
+def kill_all() -> None:
+    for proc in _live:
+        if proc.proc.poll() is None:
+            proc.kill()
+
+
 class Proc:
     """`python -m memfit.cli ARGS` in a new session; stderr lines timestamped as read and copied to a log file."""
 
@@ -104,6 +113,7 @@ class Proc:
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", *args], cwd=cwd, env=env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        _live.append(self)
         self._readers = [threading.Thread(target=self._read_err, daemon=True),
                          threading.Thread(target=lambda: self._out.extend(self.proc.stdout), daemon=True)]
         for t in self._readers:

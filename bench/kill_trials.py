@@ -21,6 +21,7 @@ import argparse
 import json
 import random
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -85,7 +86,7 @@ class Bench:
     def _env(self, name: str) -> dict[str, str]:
         if not self.fresh_homes:
             return self.env
-        home = self.root / "homes" / name  # diagnosis only: one home per trial hides a leaked slot
+        home = self.root / "homes" / name  # diagnosis only: a home per run hides what a dead run left there
         shutil.copytree(self.home, home, dirs_exist_ok=True)
         return {**self.env, "PREFECT_HOME": str(home)}
 
@@ -147,8 +148,8 @@ class Bench:
 
     def trial(self, name: str, target: Target) -> Trial:
         """Kill at the target's moment, read the phase hit, rerun to the end, compare with the reference."""
-        cwd, env, out = self.root / name, self._env(name), Trial(name, target.aim)
-        killed = ks.Proc(self.args(name), env, cwd, cwd / "killed.log")
+        cwd, out = self.root / name, Trial(name, target.aim)
+        killed = ks.Proc(self.args(name), self._env(f"{name}-killed"), cwd, cwd / "killed.log")
         why = self._kill(killed, target, name)
         out.kill_s = killed.kill()
         out.phase = ks.phase_of(killed.log)
@@ -160,7 +161,7 @@ class Bench:
             out.note = why
             if why.startswith("ended"):  # nothing was killed: this trial tests nothing
                 return out
-        rerun = ks.Proc(self.args(name), env, cwd, cwd / "rerun.log")
+        rerun = ks.Proc(self.args(name), self._env(f"{name}-rerun"), cwd, cwd / "rerun.log")
         code = rerun.finish(self.rerun_timeout)
         out.rerun_s = rerun.elapsed()
         out.resumed = ks.resumed_step(rerun.log)
@@ -182,9 +183,9 @@ class Bench:
     def corrupt_round(self, seed: int) -> Trial:
         """Kill in training, truncate the newest checkpoint, plant pickles: the rerun resumes from the one before."""
         name, rng = "corrupt", random.Random(seed + 1)
-        cwd, env, out = self.root / name, self._env(name), Trial(name, "training, newest corrupted")
+        cwd, out = self.root / name, Trial(name, "training, newest corrupted")
         marker = self.root / "PICKLE-WAS-LOADED"
-        killed = ks.Proc(self.args(name), env, cwd, cwd / "killed.log")
+        killed = ks.Proc(self.args(name), self._env(f"{name}-killed"), cwd, cwd / "killed.log")
         if killed.wait_for(ks.COMMITTED, rng.randint(3, 10), timeout=self.rerun_timeout) is None:
             killed.kill()
             out.note = f"no training checkpoint to corrupt: stopped in {ks.phase_of(killed.log)}"
@@ -193,7 +194,7 @@ class Bench:
         out.phase = ks.phase_of(killed.log)
         planted = ks.corrupt_and_plant(self.client, self.bucket, name, marker)
         out.newest = planted["previous"]  # what the rerun must resume from
-        rerun = ks.Proc(self.args(name), env, cwd, cwd / "rerun.log")
+        rerun = ks.Proc(self.args(name), self._env(f"{name}-rerun"), cwd, cwd / "rerun.log")
         code = rerun.finish(self.rerun_timeout)
         out.rerun_s, out.resumed = rerun.elapsed(), ks.resumed_step(rerun.log)
         skipped = ks.SKIPPED.findall(rerun.log)
@@ -276,12 +277,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rerun-timeout", type=float, default=300, help="s; a rerun still going after it is a hang")
     p.add_argument("--no-corrupt-round", action="store_true")
-    p.add_argument("--fresh-homes", action="store_true", help="one Prefect home per trial (diagnosis only)")
+    p.add_argument("--fresh-homes", action="store_true", help="a fresh Prefect home for every run (diagnosis only)")
     p.add_argument("--keep", action="store_true", help="keep the work folder (logs) even when all pass")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="memfit-kill-trials-"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below ends the runs in flight
     server, endpoint = ks.start_moto()
     started = time.monotonic()
     try:
@@ -297,6 +299,7 @@ def main() -> None:
             print(table(trials[-1:]).splitlines()[-1], flush=True)
         corrupt = None if args.no_corrupt_round else bench.corrupt_round(args.seed)
     finally:
+        ks.kill_all()
         server.stop()
     everything = trials + ([corrupt] if corrupt else [])
     summary = totals(trials, corrupt)
