@@ -19,7 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 REGION = "us-east-1"
 FAKE_KEY = "testing"
-WEIGHTS = Path("runs/tiny/export/model.safetensors")  # configs/tiny.yaml's export.dir, under the work folder
 
 # The flow's tasks in order; Prefect logs "Finished in state ..." once per task, so their count is the phase.
 TASKS = ["probe", "planning", "recovery", "training", "evaluation"]
@@ -173,8 +172,17 @@ class Proc:
         return code
 
     def summary(self) -> dict:
+        """The `--json` summary, last on stdout; {} when there is none (the run failed or was killed)."""
         lines = "".join(self._out).strip().splitlines()
-        return json.loads(lines[-1]) if lines else {}
+        try:
+            return json.loads(lines[-1]) if lines else {}
+        except json.JSONDecodeError:
+            return {}
+
+    def weights(self) -> Path | None:
+        """The exported SafeTensors file the summary names."""
+        folder = self.summary().get("safetensors_dir")
+        return Path(folder) / "model.safetensors" if folder else None
 
 
 def phase_of(log: str) -> str:
@@ -229,19 +237,45 @@ def bucket_state(client, bucket: str, prefix: str) -> BucketState:
     return state
 
 
+def left_behind(folder: Path, wait: float = 15) -> list[str]:
+    """Processes still running in `folder` (their working directory) once `wait` s have passed: what a killed
+    run left behind (memfit promises its Prefect server ends with it, even on SIGKILL). They are then ended."""
+    import psutil
+
+    def alive() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cwd"]):
+            cwd = p.info.get("cwd")
+            if cwd and Path(cwd).is_relative_to(folder):
+                found.append(p)
+        return found
+
+    deadline = time.monotonic() + wait
+    while (procs := alive()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    out = []
+    for p in procs:
+        try:
+            out.append(f"pid {p.pid}: {' '.join(p.cmdline())[:90]}")
+            p.kill()
+        except psutil.Error:
+            pass
+    return out
+
+
 def resumed_step(log: str) -> int:
     """The step a rerun's training started from, as its log says (0: from scratch)."""
     m = RESUMED.search(log) or FINISHED_ALREADY.search(log)
     return int(m.groups()[-1]) if m else 0
 
 
-def same_weights(a: Path, b: Path) -> tuple[bool, str]:
+def same_weights(a: Path | None, b: Path | None) -> tuple[bool, str]:
     """Bitwise comparison of two exported SafeTensors files: same names, dtypes, shapes and bytes."""
     import torch
     from safetensors.torch import load_file
 
-    if not a.exists() or not b.exists():
-        return False, f"missing {a if not a.exists() else b}"
+    if a is None or b is None or not a.exists() or not b.exists():
+        return False, f"no exported weights at {a if a is None or not a.exists() else b}"
     x, y = load_file(str(a)), load_file(str(b))
     if x.keys() != y.keys():
         return False, f"tensor names differ: {sorted(x.keys() ^ y.keys())[:3]}"

@@ -65,6 +65,7 @@ class Trial:
     equal: bool = False
     ok: bool = False
     note: str = ""
+    left: list[str] = field(default_factory=list)  # processes still running after the rerun ended (then ended)
     extra: dict = field(default_factory=dict)
 
 
@@ -107,7 +108,7 @@ class Bench:
             t1 = proc.wait_for(ENDS[aim][0], ENDS[aim][1], 0)
             if t0 is not None and t1 is not None:
                 self.timeline[aim] = (t0, t1)
-        self.reference = cwd / ks.WEIGHTS
+        self.reference = proc.weights()
         return self.reference
 
     def plan(self, n: int, seed: int) -> list[Target]:
@@ -161,24 +162,28 @@ class Bench:
             out.note = why
             if why.startswith("ended"):  # nothing was killed: this trial tests nothing
                 return out
-        rerun = ks.Proc(self.args(name), self._env(f"{name}-rerun"), cwd, cwd / "rerun.log")
-        code = rerun.finish(self.rerun_timeout)
-        out.rerun_s = rerun.elapsed()
-        out.resumed = ks.resumed_step(rerun.log)
-        out.extra = {"rerun_exit": code, "killed_log": str(cwd / "killed.log"), "rerun_log": str(cwd / "rerun.log"),
-                     "skipped": ks.SKIPPED.findall(rerun.log)}
-        if code is None:
-            out.note = f"rerun hung in {ks.phase_of(rerun.log)} (killed after {self.rerun_timeout:.0f} s)"
+        problems = self._rerun(name, cwd, out)
+        if problems is None:
             return out
-        out.equal, detail = ks.same_weights(cwd / ks.WEIGHTS, self.reference)
-        problems = [f"rerun exited {code}"] if code else []
         if out.resumed != out.newest:
             problems.append(f"resumed from step {out.resumed}, the newest complete checkpoint was {out.newest}")
-        if not out.equal:
-            problems.append(detail)
         out.ok = not problems and not why
         out.note = "; ".join([why, *problems] if why else problems)
         return out
+
+    def _rerun(self, name: str, cwd: Path, out: Trial) -> list[str] | None:
+        """Run the trial's command again to its end; what is wrong with the result, or None when it hung."""
+        rerun = ks.Proc(self.args(name), self._env(f"{name}-rerun"), cwd, cwd / "rerun.log")
+        code = rerun.finish(self.rerun_timeout)
+        out.rerun_s, out.resumed = rerun.elapsed(), ks.resumed_step(rerun.log)
+        out.left = ks.left_behind(cwd)  # also ends them
+        out.extra.update({"rerun_exit": code, "killed_log": str(cwd / "killed.log"),
+                          "rerun_log": str(cwd / "rerun.log"), "skipped": ks.SKIPPED.findall(rerun.log)})
+        if code is None:
+            out.note = f"rerun hung in {ks.phase_of(rerun.log)} (killed after {self.rerun_timeout:.0f} s)"
+            return None
+        out.equal, detail = ks.same_weights(rerun.weights(), self.reference)
+        return ([f"rerun exited {code}"] if code else []) + ([] if out.equal else [detail])
 
     def corrupt_round(self, seed: int) -> Trial:
         """Kill in training, truncate the newest checkpoint, plant pickles: the rerun resumes from the one before."""
@@ -194,26 +199,19 @@ class Bench:
         out.phase = ks.phase_of(killed.log)
         planted = ks.corrupt_and_plant(self.client, self.bucket, name, marker)
         out.newest = planted["previous"]  # what the rerun must resume from
-        rerun = ks.Proc(self.args(name), self._env(f"{name}-rerun"), cwd, cwd / "rerun.log")
-        code = rerun.finish(self.rerun_timeout)
-        out.rerun_s, out.resumed = rerun.elapsed(), ks.resumed_step(rerun.log)
-        skipped = ks.SKIPPED.findall(rerun.log)
-        newest_uri = f"s3://{self.bucket}/{name}/step-{planted['newest']:08d}"
-        out.extra = {**planted, "skipped": skipped, "pickle_loaded": marker.exists(), "rerun_exit": code,
-                     "rerun_log": str(cwd / "rerun.log")}
-        if code is None:
-            out.note = f"rerun hung in {ks.phase_of(rerun.log)} (killed after {self.rerun_timeout:.0f} s)"
+        out.extra.update(planted)
+        problems = self._rerun(name, cwd, out)
+        if problems is None:
             return out
-        out.equal, detail = ks.same_weights(cwd / ks.WEIGHTS, self.reference)
-        problems = [f"rerun exited {code}"] if code else []
+        skipped = out.extra["skipped"]
+        newest_uri = f"s3://{self.bucket}/{name}/step-{planted['newest']:08d}"
+        out.extra["pickle_loaded"] = marker.exists()
         if newest_uri not in skipped:
             problems.append(f"truncated step {planted['newest']} not skipped (skipped: {skipped})")
         if out.resumed != planted["previous"]:
             problems.append(f"resumed from step {out.resumed}, expected {planted['previous']}")
         if marker.exists():
             problems.append("a planted pickle was loaded")
-        if not out.equal:
-            problems.append(detail)
         out.ok = not problems
         out.note = "; ".join(problems) or (f"step {planted['newest']} truncated and skipped, "
                                            f"resumed from {planted['previous']}, planted pickles not loaded")
@@ -226,7 +224,8 @@ def table(trials: list[Trial]) -> str:
     for t in trials:
         rows.append(f"| {t.name} | {t.aim} | {_f(t.kill_s)} | {t.phase} | {t.newest} | "
                     f"{'-' if t.resumed is None else t.resumed} | {_f(t.rerun_s)} | {'yes' if t.equal else 'no'} | "
-                    f"{'ok' if t.ok else 'FAIL'}{': ' + t.note if t.note else ''} |")
+                    f"{'ok' if t.ok else 'FAIL'}{': ' + t.note if t.note else ''}"
+                    f"{f'; LEFT RUNNING: {t.left[0]}' if t.left else ''} |")
     return "\n".join(rows)
 
 
@@ -245,6 +244,9 @@ def totals(trials: list[Trial], corrupt: Trial | None) -> list[str]:
     for t in trials:
         if "hung" in t.note:
             lines.append(f"HANG: {t.name} ({t.note})")
+    leaky = [t for t in trials + ([corrupt] if corrupt else []) if t.left]
+    lines.append(f"processes left running after a kill and rerun: {len(leaky)} trials"
+                 + "".join(f"; {t.name} ({t.phase}): {', '.join(t.left)}" for t in leaky))
     if corrupt is not None:
         lines.append(f"corrupted newest checkpoint: {'ok' if corrupt.ok else 'FAIL'}: {corrupt.note}")
     return lines
@@ -313,7 +315,7 @@ def main() -> None:
         {"seed": args.seed, "reference_wall_s": bench.wall, "timeline": bench.timeline, "totals": summary,
          "trials": [asdict(t) for t in everything], "work": str(root)}, indent=2))
     plot(everything, args.out / "kill_trials.png")
-    failed = [t for t in everything if not t.ok and not t.note.startswith("ended")]
+    failed = [t for t in everything if (not t.ok and not t.note.startswith("ended")) or t.left]
     print(f"\nwrote {args.out / 'kill_trials.md'}, kill_trials.json and kill_trials.png")
     if failed or args.keep:
         print(f"logs kept in {root}")
