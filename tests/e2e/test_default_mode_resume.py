@@ -80,4 +80,13 @@ def test_rerun_on_a_new_machine_resumes_from_the_s3_checkpoint(default_mode_benc
     machine = tmp_path / "machine-b"
     log, summary = _rerun(bench, name, {**bench.env, "PREFECT_HOME": str(home)}, machine)
     _assert_resumed_to_reference(bench, name, step, log, summary)
+    # MLflow's default store is new on this machine: training went on in a new run there, tagged with the
+    # killed run's id and the step it resumed from.
+    from mlflow import MlflowClient
+
     assert summary["tracking_uri"] == f"sqlite:///{machine / 'mlflow.db'}"
+    first = MlflowClient(f"sqlite:///{bench.root / name / 'mlflow.db'}")
+    killed_ids = [r.info.run_id for r in first.search_runs([e.experiment_id for e in first.search_experiments()])]
+    tags = MlflowClient(summary["tracking_uri"]).get_run(summary["mlflow_run_id"]).data.tags
+    assert len(killed_ids) == 1 and summary["mlflow_run_id"] != killed_ids[0]
+    assert tags["memfit.resumed_from_run_id"] == killed_ids[0] and tags["memfit.resumed_from_step"] == str(step)
