@@ -15,31 +15,34 @@ _REAPER = """
 import os, signal, sys, threading
 import psutil
 parent = int(sys.argv[1])
-targets, lock = [], threading.Lock()
+targets, ending = [], []
 def end(*_):
-    with lock:
-        procs = []
-        for pid, started in targets:
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - started) < 0.01:
-                    p.terminate()
-                    procs.append(p)
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+    # No lock: the signal handler can run inside end() on the main thread (it held a lock there once, and
+    # deadlocked); the first caller ends everything and leaves, any later one returns at once.
+    if ending:
+        return
+    ending.append(True)
+    procs = []
+    for pid, started in list(targets):
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - started) < 0.01:
+                p.terminate()
+                procs.append(p)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
     os._exit(0)
 signal.signal(signal.SIGTERM, end)
 def read():
     for line in sys.stdin:
         pid, started = line.split()
-        with lock:
-            targets.append((int(pid), float(started)))
+        targets.append((int(pid), float(started)))
     end()  # EOF: memfit is gone
 threading.Thread(target=read, daemon=True).start()
 if os.getppid() != parent:  # memfit died before the kernel could be told to signal this process
