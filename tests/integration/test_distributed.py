@@ -145,7 +145,7 @@ def test_ddp_on_s3_rank_crash_fails_loudly_and_rerun_resumes(tmp_path, work, ref
             _train(cfg)
     finally:
         mp.undo()
-    from memfit.checkpointing import CheckpointManager
+    from memfit.checkpoints import CheckpointManager
     from memfit.storage import open_store
 
     assert [c.step for c in CheckpointManager(open_store(cfg.checkpoint.uri)).list()] == [4]
@@ -165,7 +165,7 @@ def test_spot_rebalance_saves_and_interruption_stops_every_rank(tmp_path, work):
 
     from fixtures.faults import FakeMetadata
 
-    from memfit.checkpointing import CheckpointManager
+    from memfit.checkpoints import CheckpointManager
     from memfit.distributed.launch import RUN_ID_FILE, job_dir
     from memfit.storage import open_store
 
