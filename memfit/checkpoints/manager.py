@@ -75,7 +75,9 @@ class CheckpointManager(BackgroundWriter, CheckpointIndex):
         Returns None when skipped (on_busy="skip", a save in flight, neither blocking nor forced).
         `deadline` (time.monotonic()) stops retries that could not finish before it.
         """
-        return self.submit(step if step is not None or callable(snap) else snap.step, snap if callable(snap) else lambda: snap, blocking=blocking, force=force,
+        if step is None and not callable(snap):
+            step = snap.step
+        return self.submit(step, snap if callable(snap) else lambda: snap, blocking=blocking, force=force,
                            deadline=deadline, busy=busy)
 
     def describe(self, step: int) -> str:

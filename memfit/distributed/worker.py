@@ -55,7 +55,6 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event, save_req
     from memfit.env import pin_threads
     from memfit.tracking import NullTracker, make_tracker
     from memfit.training.loop import Trainer
-    from memfit.training.strategies import make_strategy
 
     d, jdir = cfg.distributed, Path(job.job_dir)
     # Ranks share the machine's cores: an even split unless train.num_threads says otherwise.
@@ -84,7 +83,7 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event, save_req
     checkpointer = run_context.sharded_checkpointer(cfg, info.rank, info.world_size)
     try:
         trainer = Trainer(tcfg, model, data, info.device, tracker, checkpointer, run_context.run_identity(cfg),
-                          make_strategy(plan, info, tcfg))
+                          _strategy(plan, info, tcfg))
         if resume.local_dir:
             trainer.restore(Path(resume.local_dir))
             log.info("resumed from %s at step %d on %d ranks", resume.source_uri, trainer.step, info.world_size)
@@ -111,6 +110,19 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event, save_req
 
             run_context.open_checkpoint_store(cfg).put_bytes(store_report_key(cfg), json.dumps(report).encode())
     return result
+
+
+def _strategy(plan: PlanReport, info: Any, cfg: MemfitConfig) -> Any:
+    """The strategy the plan chose, for this rank."""
+    from memfit.distributed.strategies import TORCH_STRATEGIES
+
+    if plan.strategy in TORCH_STRATEGIES:
+        from memfit.training.strategies import TorchDistributed
+
+        return TorchDistributed(plan.strategy, info, plan.precision)
+    from memfit.training.deepspeed import DeepSpeedStrategy
+
+    return DeepSpeedStrategy(plan, info, cfg)
 
 
 def _memory_stopped(result: TrainReport, cfg: MemfitConfig) -> bool:

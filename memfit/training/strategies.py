@@ -219,16 +219,3 @@ class TorchDistributed(SingleProcess):
                        options=StateDictOptions(full_state_dict=True))
         rng = rng_payload(ckpt.state["rng"], ckpt.rng_tensors) if self.is_main else None
         return ckpt.state, rng
-
-
-def make_strategy(plan: Any, info: Any, cfg: Any) -> SingleProcess:
-    """The strategy the plan chose for this rank (`info`: memfit.distributed.strategies.RankInfo)."""
-    from memfit.distributed.strategies import DEEPSPEED_STRATEGIES, TORCH_STRATEGIES
-
-    if plan.strategy in TORCH_STRATEGIES:
-        return TorchDistributed(plan.strategy, info, plan.precision)
-    if plan.strategy in DEEPSPEED_STRATEGIES:
-        from memfit.training.deepspeed import DeepSpeedStrategy
-
-        return DeepSpeedStrategy(plan, info, cfg)
-    raise ValueError(f"not a multi-process strategy: {plan.strategy!r}")
