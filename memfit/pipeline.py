@@ -195,7 +195,7 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
         trainer = Trainer(planned_config(cfg, plan), model, data, device, tracker, manager, run_identity(cfg))
         if resume.local_dir:
             trainer.restore(Path(resume.local_dir))
-            tracker.setrun_tags({"memfit.resumed_from_step": str(resume.step)})
+            tracker.set_tags({"memfit.resumed_from_step": str(resume.step)})
         if not resume.local_dir or not tracker.continued:
             # A fresh run, or a resume whose MLflow run is not in this store: the new run gets params and plan.
             log_run_start(tracker, cfg, plan, data, probe_report)
@@ -218,7 +218,7 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
         if took > grace:
             log.warning("the preemption save took %.1f s after the stop request, more than checkpoint.grace_seconds="
                         "%.0f: on a real preemption the machine may be gone before it commits", took, grace)
-        tracker.setrun_tags({"memfit.status": "preempted", "memfit.preempted_by": result.preempt_reason or "?"})
+        tracker.set_tags({"memfit.status": "preempted", "memfit.preempted_by": result.preempt_reason or "?"})
         tracker.end_run("KILLED")
         raise Preempted(f"preempted at step {result.steps} ({result.preempt_reason}): training checkpoint "
                         f"{result.last_checkpoint_uri} committed {took:.1f} s after the stop request (grace "
@@ -271,7 +271,7 @@ def evaluate_and_export(cfg: MemfitConfig, train_report: TrainReport) -> ExportR
     except BaseException as err:
         if isinstance(err, MemfitError):  # the reviewer sees why phase 5 failed (e.g. the ONNX parity figure)
             try:
-                tracker.setrun_tags({"memfit.error": str(err)[:4000]})
+                tracker.set_tags({"memfit.error": str(err)[:4000]})
             except Exception:  # noqa: BLE001 - never hide the original error behind a tracking one
                 log.warning("could not record the error on the run", exc_info=True)
         tracker.end_run("FAILED")
