@@ -189,6 +189,7 @@ class Trainer:
                 # A background save that failed fails the run here, not `every_steps` later.
                 self.checkpoints.raise_if_failed()
                 self._log_committed()
+                agreed = s.settle(agreed, stop, save_request)
                 if agreed.memory:
                     memory_stop = True
                     break  # saved below like a preemption; the caller turns it into MemoryLimitError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,14 @@ class SingleProcess:
     def agree(self, loss_sum: torch.Tensor, stop: bool, save: bool, memory: bool, busy: bool) -> Agreement:
         return Agreement(float(loss_sum), stop, save, memory, busy)
 
+    def settle(self, agreed: Agreement, stop: Any, save_request: Any) -> Agreement:
+        """The flags as the loop acts on them. One process needs no agreement: a stop or save request that
+        arrived while the step was logged counts at once (several ranks keep what they agreed)."""
+        late_save = save_request is not None and save_request.is_set()
+        if late_save:
+            save_request.clear()
+        return replace(agreed, stop=agreed.stop or (stop is not None and stop.is_set()), save=agreed.save or late_save)
+
     # -- training checkpoints ----------------------------------------------------------------------------
     def resume_state(self, common: dict[str, Any]) -> dict[str, Any]:
         return common
@@ -170,6 +178,9 @@ class TorchDistributed(SingleProcess):
         flags = torch.stack([loss_sum, *(torch.tensor(float(f), device=dev) for f in (stop, save, memory, busy))])
         dist.all_reduce(flags)
         return Agreement(float(flags[0]) / self.world_size, *(float(f) > 0 for f in flags[1:]))
+
+    def settle(self, agreed: Agreement, stop: Any, save_request: Any) -> Agreement:
+        return agreed  # every rank acts on the same flags, or the collective saves would not match
 
     def resume_state(self, common: dict[str, Any]) -> dict[str, Any]:
         return {**common, "strategy": self.name}
