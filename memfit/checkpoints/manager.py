@@ -41,6 +41,7 @@ class _Staged:
     snap: Snapshot
     folder: Path
     files: dict[str, dict[str, Any]]
+    started: float  # perf_counter() when the writer began: the logged time counts every attempt
 
 
 def write_local(snap: Snapshot, folder: Path) -> dict[str, dict[str, Any]]:
@@ -86,9 +87,10 @@ class CheckpointManager(BackgroundWriter, CheckpointIndex):
     def _stage(self, snap: Snapshot) -> _Staged:
         if self.staging_dir:
             self.staging_dir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
         folder = Path(tempfile.mkdtemp(prefix=f".{step_prefix(snap.step)}-", dir=self.staging_dir))
         try:
-            return _Staged(snap, folder, write_local(snap, folder))
+            return _Staged(snap, folder, write_local(snap, folder), started)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -100,7 +102,6 @@ class CheckpointManager(BackgroundWriter, CheckpointIndex):
 
     def _upload(self, staged: _Staged) -> tuple[CheckpointInfo, int]:
         step, prefix = staged.snap.step, step_prefix(staged.snap.step)
-        t0 = time.perf_counter()
         # A re-save of the same step (after a crash between upload and manifest) first drops the old manifest.
         self.store.delete(f"{prefix}/{MANIFEST}")
         for name in staged.files:
@@ -119,5 +120,5 @@ class CheckpointManager(BackgroundWriter, CheckpointIndex):
             log.warning("training checkpoint step %d is committed, but removing older ones failed (%s); "
                         "retried after the next save", step, err)
         log.info("training checkpoint step %d committed to %s (%.2f s, %.1f MB)", step, info.uri,
-                 time.perf_counter() - t0, info.total_bytes / 1e6)
+                 time.perf_counter() - staged.started, info.total_bytes / 1e6)
         return info, info.total_bytes
