@@ -46,7 +46,7 @@ def _trainer(cfg, manager):
     from memfit.env import pin_threads, resolve_device
     from memfit.reports import PlanReport
     from memfit.tracking.null import NullTracker
-    from memfit.train import Trainer
+    from memfit.training.loop import Trainer
 
     device = resolve_device("cpu")
     pin_threads(cfg.train.num_threads)
@@ -70,7 +70,7 @@ def _block(trainer, steps: int, every: int | None) -> float:
     t0 = time.perf_counter()
     for i in range(1, steps + 1):
         trainer.model.train()
-        trainer._optimizer_step()
+        trainer.optimizer_step()
         if every and i % every == every // 2:
             trainer.save(blocking=False)
     trainer.checkpoints.wait()
@@ -81,17 +81,16 @@ def child_resume(args: argparse.Namespace) -> None:
     """Run in a fresh process: time from process start to the first resumed optimizer step."""
     t_start = float(args.spawned_at)
     from memfit import pipeline
-    from memfit.checkpointing import read_checkpoint_folder
 
     t_import = time.time()
     cfg = _config(args, args.uri, Path(args.work))
     resume = pipeline.recover(cfg)
     t_recover = time.time()
     trainer = _trainer(cfg, pipeline.checkpoint_manager(cfg))
-    trainer.restore(read_checkpoint_folder(Path(resume.local_dir)))
+    trainer.restore(Path(resume.local_dir))
     t_restore = time.time()
     trainer.model.train()
-    trainer._optimizer_step()
+    trainer.optimizer_step()
     t_step = time.time()
     trainer.checkpoints.close()
     print(json.dumps({"imports_s": t_import - t_start, "recover_s": t_recover - t_import,
@@ -127,7 +126,7 @@ def main() -> None:
 
     import boto3
 
-    from memfit.checkpointing import CheckpointManager
+    from memfit.checkpoints import CheckpointManager
     from memfit.storage import LocalStore
     from memfit.storage.s3 import S3Store
 

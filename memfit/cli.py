@@ -265,7 +265,7 @@ def launch_node(config: ConfigArg = None, set_: SetOpt = None) -> None:
     _environment()
     try:
         cfg = _load(config, set_)
-        from memfit.distributed.launch import launch_node as run_node
+        from memfit.pipeline import launch_node as run_node
 
         report = run_node(cfg)
     except MemfitError as err:
@@ -290,7 +290,7 @@ RegionOpt = Annotated[str | None, typer.Option("--region", help="S3 region (else
 
 
 def _manager(uri: str, endpoint_url: str | None, region: str | None) -> Any:
-    from memfit.checkpointing import CheckpointManager
+    from memfit.checkpoints import CheckpointManager
     from memfit.storage import is_remote, open_store
 
     opts = {"endpoint_url": endpoint_url, "region": region} if is_remote(uri) else {}
@@ -384,7 +384,7 @@ def resume(uri: UriArg, set_: SetOpt = None, as_json: JsonOpt = False, endpoint_
 
             raise CheckpointError(f"no complete training checkpoint under {uri} to resume from "
                                   f"(`memfit checkpoints ls {uri}` shows what is there)")
-        from memfit.checkpointing import CONFIG_FILE
+        from memfit.checkpoints import CONFIG_FILE
 
         stored = yaml.safe_load(manager.store.get_bytes(f"{complete[-1].prefix}/{CONFIG_FILE}").decode())
     except (MemfitError, yaml.YAMLError, UnicodeDecodeError) as err:

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 import memfit
-from memfit.checkpointing import CheckpointManager, LoadedCheckpoint
+from memfit.checkpoints import CheckpointManager, LoadedCheckpoint
 from memfit.errors import CheckpointError, ConfigError, ExportError, MemfitError, StorageError
 
 log = logging.getLogger("memfit.exporting")

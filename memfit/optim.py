@@ -1,4 +1,4 @@
-"""The optimizer recipe and the end of an optimizer step, shared by the single-process and per-rank trainers."""
+"""The optimizer recipe, the end of an optimizer step and the step metrics the training loop logs."""
 
 from __future__ import annotations
 
@@ -76,11 +76,12 @@ def restore_schedule(scheduler: Any, scaler: torch.amp.GradScaler | None, state:
 
 
 def memory_now(device: torch.device) -> tuple[int, int]:
-    """(peak since the last call, current) bytes: the CUDA allocator on GPU, process RSS on CPU."""
+    """(peak, current) bytes: the CUDA allocator on GPU (peak since the memory monitor's last reading, or the
+    start), process RSS on CPU. Read only: the monitor compares the same CUDA peak counters with the budget
+    and is the one that resets them, so a reset here would hide a peak from it.
+    """
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return int(peak), int(torch.cuda.memory_allocated(device))
+        return int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.memory_allocated(device))
     rss = psutil.Process().memory_info().rss
     return int(rss), int(rss)
 

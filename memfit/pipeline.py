@@ -2,86 +2,44 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import platform
 import shutil
-import subprocess
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import memfit
-from memfit.checkpointing import CheckpointManager, read_checkpoint_folder
+from memfit.checkpoints import CheckpointIndex
 from memfit.config import MemfitConfig
-from memfit.data import DataBundle, data_digest, load_texts
 from memfit.datacache import cached_data
 from memfit.env import environment_report, pin_threads, resolve_device
 from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryBudgetError, MemoryLimitError, Preempted
-from memfit.memory.policies import apply_policy, make_policy
+from memfit.memory.policies import make_policy
 from memfit.memory.probe import explain_oom, measure_step, verdict, weights_to_device
 from memfit.memory.search import estimate_policy, plan_for, plan_table_markdown, resolve_budget, target_profile
-from memfit.modeling import check_seq_len, load_model_and_tokenizer
 from memfit.preemption import stop_on_signals
 from memfit.preflight import open_checkpoint_store, preflight
 from memfit.reports import ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
+from memfit.run_context import (  # noqa: F401 - also this module's public names, as callers know them
+    Inputs,
+    build_training_model,
+    checkpoint_manager,
+    load_inputs,
+    log_run_start,
+    log_training_end,
+    plan_policy,
+    planned_config,
+    run_identity,
+    run_tags,
+    staging_dir,
+)
 from memfit.spot import spot_watcher
 from memfit.tracking import make_tracker
 from memfit.tracking.base import scrub_obj
 
 log = logging.getLogger("memfit.pipeline")
-
-
-# -- shared set-up ------------------------------------------------------------------------------------
-@dataclass
-class Inputs:
-    texts: list[str]
-    digest: str
-    model: Any
-    tokenizer: Any
-    source: str
-
-
-def load_inputs(cfg: MemfitConfig) -> Inputs:
-    """Texts, the model (a preset is built on first use) and its tokenizer, all through from_pretrained."""
-    texts = load_texts(cfg.data)
-    digest = data_digest(texts)
-    model, tokenizer, source = load_model_and_tokenizer(cfg, texts, digest)
-    check_seq_len(cfg, model.config)
-    return Inputs(texts=texts, digest=digest, model=model, tokenizer=tokenizer, source=source)
-
-
-def run_identity(cfg: MemfitConfig) -> dict[str, Any]:
-    """The settings a resumed run must share with its training checkpoints (max_steps may grow)."""
-    t = cfg.train.model_dump(mode="json")
-    for volatile in ("max_steps", "device", "num_threads", "log_every_steps", "eval_batches"):
-        t.pop(volatile)
-    return {"model": cfg.model.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"), "train": t}
-
-
-def _staging(cfg: MemfitConfig, what: str) -> Path:
-    key = hashlib.sha256(cfg.checkpoint.uri.encode()).hexdigest()[:12]
-    return Path(cfg.run.work_dir) / what / key
-
-
-def checkpoint_manager(cfg: MemfitConfig) -> CheckpointManager:
-    ck = cfg.checkpoint
-    return CheckpointManager(open_checkpoint_store(cfg), keep_last=ck.keep_last, staging_dir=_staging(cfg, "staging"),
-                             on_busy=ck.on_busy, upload_attempts=ck.upload_attempts,
-                             retry_backoff_s=ck.retry_backoff_seconds, grace_seconds=ck.grace_seconds)
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 # -- phase 1 ------------------------------------------------------------------------------------------
@@ -160,7 +118,7 @@ def setup_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
     if chosen.stack.precision in ("bf16-mixed", "bf16-true") and device["type"] == "cuda" \
             and not device["bf16_supported"]:
         raise ConfigError(f"train.precision={chosen.stack.precision}: {device['name']} has no bf16; use fp16-mixed")
-    policy = _plan_policy(cfg, chosen.policy, chosen.every_k, chosen.kinds)
+    policy = plan_policy(cfg, chosen.policy, chosen.every_k, chosen.kinds)
     log.info("optimisation stack: %s (%s)", policy.describe(), plan.reason)
     log.info("memory plan candidates:\n%s", plan_table_markdown(plan))
     row = plan.row(chosen)
@@ -178,34 +136,12 @@ def setup_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
     return plan_distributed(cfg, probe_report, report)
 
 
-def _plan_policy(cfg: MemfitConfig, name: str, every_k: int | None, kinds: Any) -> Any:
-    return make_policy(name, every_k=every_k or cfg.memory.every_k, save_ops=cfg.memory.selective_save_ops,
-                       block_class=cfg.memory.block_class, kinds=kinds)
-
-
-def planned_config(cfg: MemfitConfig, plan: PlanReport) -> MemfitConfig:
-    """The config the trainer runs: precision and accumulation as planned (the global batch never changes)."""
-    train = cfg.train.model_copy(update={"precision": plan.precision, "grad_accum_steps": plan.grad_accum_steps})
-    return cfg.model_copy(update={"train": train})
-
-
-def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanReport) -> torch.nn.Module:
-    """LoRA adapters when planned, then the planned gradient-checkpointing policy (its one entry point)."""
-    if plan.lora:
-        from memfit.lora import apply_lora
-
-        model = apply_lora(model, cfg.lora)
-    kinds = plan.block_kinds if plan.policy == "mixed" else None
-    apply_policy(model, _plan_policy(cfg, plan.policy, plan.every_k, kinds))
-    return model
-
-
 # -- phase 4 ------------------------------------------------------------------------------------------
 def recover(cfg: MemfitConfig) -> ResumePoint:
     """Find the newest training checkpoint of this run that verifies, download it, check it is this run's."""
     store = open_checkpoint_store(cfg)
     store.check_writable()  # a missing bucket or bad credentials fail here, before any training
-    manager = CheckpointManager(store, keep_last=cfg.checkpoint.keep_last)
+    manager = CheckpointIndex(store, keep_last=cfg.checkpoint.keep_last)
     point = ResumePoint(checkpoint_uri=cfg.checkpoint.uri)
     complete = manager.list()
     if not complete:
@@ -214,7 +150,7 @@ def recover(cfg: MemfitConfig) -> ResumePoint:
         raise CheckpointError(f"checkpoint.uri {cfg.checkpoint.uri} already holds training checkpoints (newest "
                               f"step {complete[-1].step}) and checkpoint.resume is false; point checkpoint.uri "
                               "at an empty location or remove them (memfit checkpoints ls shows them)")
-    dest = _staging(cfg, "resume")
+    dest = staging_dir(cfg, "resume")
     shutil.rmtree(dest, ignore_errors=True)
     loaded = manager.latest(dest)
     if loaded is None:
@@ -237,7 +173,7 @@ def recover(cfg: MemfitConfig) -> ResumePoint:
 def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report: ProbeReport | None = None
           ) -> TrainReport:
     """Train to train.max_steps from the resume point, logging to the tracker and saving training checkpoints."""
-    from memfit.train import Trainer
+    from memfit.training.loop import Trainer
 
     if resume.finished:
         log.info("run already finished at step %s (%s): not retraining", resume.step, resume.source_uri)
@@ -252,17 +188,17 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
     data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
     model = build_training_model(cfg, inputs.model, plan)
     tracker = make_tracker(cfg.tracking)
-    run_id = tracker.start_run(cfg.run.name, run_id=resume.mlflow_run_id, tags=_tags(device))
+    run_id = tracker.start_run(cfg.run.name, run_id=resume.mlflow_run_id, tags=run_tags(device))
     manager = checkpoint_manager(cfg)
     try:
         # The trainer runs the planned precision and accumulation; the run's identity stays the user's config.
         trainer = Trainer(planned_config(cfg, plan), model, data, device, tracker, manager, run_identity(cfg))
         if resume.local_dir:
-            trainer.restore(read_checkpoint_folder(Path(resume.local_dir)))
+            trainer.restore(Path(resume.local_dir))
             tracker.set_tags({"memfit.resumed_from_step": str(resume.step)})
         if not resume.local_dir or not tracker.continued:
             # A fresh run, or a resume whose MLflow run is not in this store: the new run gets params and plan.
-            _log_run_start(tracker, cfg, plan, data, probe_report)
+            log_run_start(tracker, cfg, plan, data, probe_report)
         save_request = threading.Event()
         log.info("training: steps %d to %d on %s, MLflow run %s", (resume.step or 0) + 1, cfg.train.max_steps,
                  device, run_id)
@@ -273,9 +209,9 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
         raise
     finally:
         manager.close()
-    if trainer.monitor.stop_requested and result.steps < cfg.train.max_steps:
+    if result.memory_limit and result.steps < cfg.train.max_steps:
         tracker.end_run("KILLED")
-        raise MemoryLimitError(f"{trainer.monitor.stop_message} (training checkpoint {result.last_checkpoint_uri})")
+        raise MemoryLimitError(f"{result.memory_limit} (training checkpoint {result.last_checkpoint_uri})")
     if result.preempted:
         took = stop.seconds_since_request() or 0.0
         grace = cfg.checkpoint.grace_seconds
@@ -287,60 +223,8 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
         raise Preempted(f"preempted at step {result.steps} ({result.preempt_reason}): training checkpoint "
                         f"{result.last_checkpoint_uri} committed {took:.1f} s after the stop request (grace "
                         f"{grace:.0f} s); run the same command again to resume")
-    _log_training_end(tracker, plan, probe_report, result.steps)
+    log_training_end(tracker, plan, probe_report, result.steps)
     return result.model_copy(update={"mlflow_run_id": run_id})
-
-
-def _log_training_end(tracker: Any, plan: PlanReport, probe_report: ProbeReport | None, steps: int) -> None:
-    """The memory figure and the tracking overhead; the run stays open for phase 5 (which ends it)."""
-    from memfit.evaluation import log_memory_figure
-
-    tracker.flush()
-    overhead = getattr(tracker, "overhead", lambda: None)()
-    if overhead is not None:
-        log.info("metric logging took %.3f%% of step time on the training thread (+%.3f%% in its writer thread)",
-                 100 * overhead["tracking_overhead_fraction"], 100 * overhead["tracking_writer_fraction"])
-        tracker.log_metrics(overhead, step=steps)
-    log_memory_figure(tracker, probe_report.baseline if probe_report else None, plan.model_dump())
-    close = getattr(tracker, "close", None)
-    if close is not None:
-        close()
-
-
-def _tags(device: torch.device) -> dict[str, str]:
-    tags = {"memfit.version": memfit.__version__, "memfit.device": device.type, "memfit.host": platform.node(),
-            "memfit.device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-            else (platform.processor() or platform.machine()),
-            "memfit.torch": torch.__version__}
-    commit = _git_commit()
-    if commit:
-        tags["mlflow.source.git.commit"] = commit
-    return tags
-
-
-def _log_run_start(tracker: Any, cfg: MemfitConfig, plan: PlanReport, data: DataBundle,
-                   probe_report: ProbeReport | None) -> None:
-    params = cfg.flat()
-    params.update({f"plan.{k}": v for k, v in plan.model_dump().items()
-                   if k not in ("alternatives", "block_kinds", "table_markdown")})
-    params.update({"data.digest": data.digest, "data.train_blocks": len(data.train),
-                   "data.val_blocks": len(data.val), "data.source": data.source})
-    tracker.log_params(params)
-    tracker.log_text(cfg.to_yaml(), "config/resolved.yaml")
-    tracker.log_text(json.dumps(plan.model_dump(), indent=2), "memory/plan.json")
-    from memfit.evaluation import plan_table
-
-    tracker.log_text(plan_table(plan.model_dump(), probe_report.baseline if probe_report else None), "memory/plan.md")
-    for context, blocks in (("training", data.train), ("validation", data.val)):
-        tracker.log_dataset(f"{data.source} [{context}]", data.digest, cfg.data.path or data.source, context,
-                            {"blocks": int(blocks.shape[0]), "seq_len": int(blocks.shape[1]),
-                             "tokens": int(blocks.numel())})
-    if plan.table_markdown:
-        tracker.log_text(plan.table_markdown + "\n", "memory/plan_candidates.md")
-    if probe_report is not None:
-        tracker.log_text(json.dumps(probe_report.environment, indent=2), "environment/report.json")
-        tracker.log_text(json.dumps(probe_report.baseline, indent=2), "memory/baseline_probe.json")
-        tracker.log_metrics({"baseline_peak_bytes": probe_report.baseline["peak_bytes"]}, step=0)
 
 
 # -- phase 5 ------------------------------------------------------------------------------------------
@@ -349,14 +233,14 @@ def evaluate_and_export(cfg: MemfitConfig, train_report: TrainReport) -> ExportR
     from memfit.evaluation import generate_samples, log_generations, perplexity
     from memfit.lora import apply_lora, is_lora_state, merge_lora
     from memfit.release import release
-    from memfit.train import evaluate_loss
+    from memfit.training.loop import evaluate_loss
 
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
     inputs = load_inputs(cfg)
     data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
     manager = checkpoint_manager(cfg)
-    dest = _staging(cfg, "export-src")
+    dest = staging_dir(cfg, "export-src")
     shutil.rmtree(dest, ignore_errors=True)
     final = manager.latest(dest)
     if final is None:
@@ -412,3 +296,19 @@ def absolute_uri(uri: str) -> str:
     if "://" in uri:
         return uri
     return str(Path(uri).absolute())
+
+
+def launch_node(cfg: MemfitConfig) -> TrainReport | None:
+    """`memfit launch-node`: this machine's ranks of a multi-node run (node 0 runs the flow itself)."""
+    from memfit.distributed.launch import train_distributed
+
+    if cfg.distributed.world_size < 2:
+        raise ConfigError("memfit launch-node is for multi-process runs: set distributed.nnodes / nproc_per_node")
+    # The same plan as node 0 (a pure function of the config and this node's probe) and this node's own copy
+    # of the training checkpoint to resume from.
+    plan = setup_stack(cfg, probe(cfg))
+    resume = recover(cfg)
+    if resume.finished:
+        log.info("run already finished at step %s: nothing to do on this node", resume.step)
+        return None
+    return train_distributed(cfg, plan, resume, None)

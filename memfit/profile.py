@@ -115,7 +115,7 @@ def _profile_stack(cfg: MemfitConfig, base_model: torch.nn.Module, data: Any, de
     from memfit.memory.breakdown import summarize
     from memfit.memory.timeline import StepTimeline
     from memfit.tracking.null import NullTracker
-    from memfit.train import Trainer
+    from memfit.training.loop import Trainer
 
     model = pipeline.build_training_model(cfg, copy.deepcopy(base_model), plan)
     trainer = Trainer(cfg=pipeline.planned_config(cfg, plan), model=model, data=data, device=device,
@@ -129,7 +129,7 @@ def _profile_stack(cfg: MemfitConfig, base_model: torch.nn.Module, data: Any, de
     tl.adopt([v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)],
              "optimizer")
     with tl:
-        trainer._optimizer_step()
+        trainer.optimizer_step()
     tl.classify()
     summary = summarize(tl, model, trainer.optimizer)
     # The first step builds the optimizer state and warms caches: time the later ones.
@@ -151,7 +151,7 @@ def _profile_stack(cfg: MemfitConfig, base_model: torch.nn.Module, data: Any, de
 
 def _timed_step(trainer: Any, device: torch.device) -> float:
     t0 = time.perf_counter()
-    trainer._optimizer_step()
+    trainer.optimizer_step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
@@ -163,7 +163,7 @@ def _cuda_memory_history(trainer: Any, out: Path, name: str) -> dict[str, str]:
 
     torch.cuda.memory._record_memory_history(max_entries=200_000)
     try:
-        trainer._optimizer_step()
+        trainer.optimizer_step()
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:
@@ -183,7 +183,7 @@ def _profiler_trace(trainer: Any, device: torch.device, out: Path, name: str) ->
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
-        trainer._optimizer_step()
+        trainer.optimizer_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     path = out / f"trace_{name}.json"

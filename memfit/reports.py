@@ -75,6 +75,8 @@ class TrainReport(_Report):
     preempt_reason: str | None = None
     checkpoint_stats: dict[str, Any] | None = Field(
         None, description="Training-checkpoint saves: count, skipped, mean stall and snapshot seconds, upload MB/s.")
+    memory_limit: str | None = Field(None, description="Why the memory monitor stopped training (monitor."
+                                     "stop_at_fraction), when it did; the caller raises MemoryLimitError.")
 
 
 class ExportReport(_Report):

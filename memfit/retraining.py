@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit.checkpointing import sha256_file
+from memfit.checkpoints import sha256_file
 from memfit.config import MemfitConfig
 from memfit.errors import ConfigError, DataError
 from memfit.preflight import SUPPORTED_SUFFIXES

@@ -1,4 +1,4 @@
-"""Scale-out: torchrun launch, DDP / FSDP2 / DeepSpeed wrapping, and the per-rank training loop."""
+"""Scale-out: torchrun launch, the process group, DDP / FSDP2 wrapping, DeepSpeed config, per-rank planning."""
 
 from __future__ import annotations
 

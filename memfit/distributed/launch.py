@@ -58,7 +58,7 @@ def store_report_key(cfg: MemfitConfig) -> str:
 
 
 def _store(cfg: MemfitConfig) -> Any:
-    from memfit.pipeline import open_checkpoint_store
+    from memfit.preflight import open_checkpoint_store
 
     return open_checkpoint_store(cfg)
 
@@ -216,6 +216,9 @@ def outcome(cfg: MemfitConfig, jdir: Path, returncode: int, stop_reason: str | N
     if report is not None and report.get("preempted"):
         raise Preempted(f"preempted at step {report['steps']}: all {cfg.distributed.world_size} ranks saved training "
                         f"checkpoint {report.get('last_checkpoint_uri')}; run the same command again to resume")
+    if report is not None and report.get("memory_limit") and report["steps"] < cfg.train.max_steps:
+        raise errors.MemoryLimitError(f"{report['memory_limit']} (training checkpoint "
+                                      f"{report.get('last_checkpoint_uri')})")
     if returncode == 0 and report is not None:
         return TrainReport(**{k: v for k, v in report.items() if k in TrainReport.model_fields})
     errs = rank_errors(jdir)
@@ -287,20 +290,3 @@ def ensure_model_files(cfg: MemfitConfig) -> None:
     texts = load_texts(cfg.data)
     build_preset(cfg.model, texts, preset_dir(cfg, data_digest(texts)), seed=cfg.train.seed,
                  max_seq_len=cfg.data.seq_len)
-
-
-def launch_node(cfg: MemfitConfig) -> TrainReport | None:
-    """`memfit launch-node`: this machine's ranks of a multi-node run (node 0 runs the flow itself)."""
-    from memfit.pipeline import probe, recover, setup_stack
-
-    if cfg.distributed.world_size < 2:
-        raise errors.ConfigError("memfit launch-node is for multi-process runs: set distributed.nnodes / "
-                                 "nproc_per_node")
-    # The same plan as node 0 (a pure function of the config and this node's probe) and this node's own copy
-    # of the training checkpoint to resume from.
-    plan = setup_stack(cfg, probe(cfg))
-    resume = recover(cfg)
-    if resume.finished:
-        log.info("run already finished at step %s: nothing to do on this node", resume.step)
-        return None
-    return train_distributed(cfg, plan, resume, None)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.config import MemfitConfig, from_dict
-from memfit.errors import ConfigError, DistributedError, Preempted
+from memfit.errors import ConfigError, DistributedError, MemoryLimitError, Preempted
 from memfit.reports import PlanReport, ProbeReport, ResumePoint, TrainReport
 
 log = logging.getLogger("memfit.distributed")
@@ -48,52 +48,42 @@ def _agree(info: Any, job_plan: dict[str, Any], resume: ResumePoint) -> dict[str
 
 def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event, save_request: threading.Event
          ) -> TrainReport:
-    from memfit import pipeline
+    from memfit import run_context
     from memfit.datacache import cached_data
-    from memfit.dist_checkpoint import ShardedCheckpointer
     from memfit.distributed.launch import REPORT_FILE, RUN_ID_FILE
-    from memfit.distributed.strategies import DEEPSPEED_STRATEGIES
+    from memfit.distributed.strategies import DEEPSPEED_STRATEGIES, TORCH_STRATEGIES
     from memfit.env import pin_threads
     from memfit.tracking import NullTracker, make_tracker
+    from memfit.training.loop import Trainer
 
     d, jdir = cfg.distributed, Path(job.job_dir)
     # Ranks share the machine's cores: an even split unless train.num_threads says otherwise.
     pin_threads(cfg.train.num_threads or max(1, min(4, (os.cpu_count() or 1) // d.nproc_per_node)))
     resume = ResumePoint(**job.resume)
     plan = PlanReport(**_agree(info, job.plan, resume))
-    if plan.strategy not in ("ddp", "fsdp2", *DEEPSPEED_STRATEGIES):
+    if plan.strategy not in (*TORCH_STRATEGIES, *DEEPSPEED_STRATEGIES):
         raise ConfigError(f"distributed.strategy: the plan chose {plan.strategy!r}, not a multi-process strategy")
-    inputs = pipeline.load_inputs(cfg)
+    inputs = run_context.load_inputs(cfg)
     data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
-    model = pipeline.build_training_model(cfg, inputs.model, plan)
+    model = run_context.build_training_model(cfg, inputs.model, plan)
     probe = ProbeReport(**job.probe) if job.probe else None
     tracker: Any = NullTracker()
     if info.is_main:  # MLflow from rank 0 only: one run, whatever the world size
         tracker = make_tracker(cfg.tracking)
-        tags = {**pipeline._tags(info.device), "memfit.world_size": str(info.world_size),
+        tags = {**run_context.run_tags(info.device), "memfit.world_size": str(info.world_size),
                 "memfit.strategy": plan.strategy}
         tracker.start_run(cfg.run.name, run_id=resume.mlflow_run_id, tags=tags)
         (jdir / RUN_ID_FILE).write_text(str(tracker.run_id))
         if resume.local_dir:
             tracker.set_tags({"memfit.resumed_from_step": str(resume.step)})
-        else:
-            pipeline._log_run_start(tracker, cfg, plan, data, probe)
+        if not resume.local_dir or not tracker.continued:  # a new run (also: its old one is not in this store)
+            run_context.log_run_start(tracker, cfg, plan, data, probe)
     # The ranks run the planned precision and accumulation, as one process does; the identity stays the user's.
-    tcfg = pipeline.planned_config(cfg, plan)
-    checkpointer = ShardedCheckpointer(pipeline.open_checkpoint_store(cfg), pipeline._staging(cfg, "dcp-staging"),
-                                       info.rank, info.world_size, cfg.checkpoint.keep_last,
-                                       commit_timeout_s=d.timeout_minutes * 60)
+    tcfg = run_context.planned_config(cfg, plan)
+    checkpointer = run_context.sharded_checkpointer(cfg, info.rank, info.world_size)
     try:
-        if plan.strategy in DEEPSPEED_STRATEGIES:
-            from memfit.distributed.ds_trainer import DeepSpeedTrainer
-
-            trainer: Any = DeepSpeedTrainer(tcfg, plan, model, data, info, tracker, checkpointer,
-                                            pipeline.run_identity(cfg))
-        else:
-            from memfit.distributed.trainer import DistTrainer
-
-            trainer = DistTrainer(tcfg, plan.strategy, plan.precision, model, data, info, tracker, checkpointer,
-                                  pipeline.run_identity(cfg))
+        trainer = Trainer(tcfg, model, data, info.device, tracker, checkpointer, run_context.run_identity(cfg),
+                          _strategy(plan, info, tcfg))
         if resume.local_dir:
             trainer.restore(Path(resume.local_dir))
             log.info("resumed from %s at step %d on %d ranks", resume.source_uri, trainer.step, info.world_size)
@@ -108,16 +98,36 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event, save_req
         if result.preempted:
             tracker.set_tags({"memfit.status": "preempted"})
             tracker.end_run("KILLED")
+        elif _memory_stopped(result, cfg):
+            tracker.end_run("KILLED")  # the monitor tagged why; the launcher raises MemoryLimitError
         else:  # buffered metrics written before this process ends (it exits with os._exit)
-            pipeline._log_training_end(tracker, plan, probe, result.steps)
+            run_context.log_training_end(tracker, plan, probe, result.steps)
         report = {**result.model_dump(mode="json"), "mlflow_run_id": tracker.run_id, "world_size": info.world_size,
                   "strategy": plan.strategy}
         _write_json(jdir / REPORT_FILE, report)
         if d.nnodes > 1:  # the flow on node 0 reads it from the store when this is another node
             from memfit.distributed.launch import store_report_key
 
-            pipeline.open_checkpoint_store(cfg).put_bytes(store_report_key(cfg), json.dumps(report).encode())
+            run_context.open_checkpoint_store(cfg).put_bytes(store_report_key(cfg), json.dumps(report).encode())
     return result
+
+
+def _strategy(plan: PlanReport, info: Any, cfg: MemfitConfig) -> Any:
+    """The strategy the plan chose, for this rank."""
+    from memfit.distributed.strategies import TORCH_STRATEGIES
+
+    if plan.strategy in TORCH_STRATEGIES:
+        from memfit.training.strategies import TorchDistributed
+
+        return TorchDistributed(plan.strategy, info, plan.precision)
+    from memfit.training.deepspeed import DeepSpeedStrategy
+
+    return DeepSpeedStrategy(plan, info, cfg)
+
+
+def _memory_stopped(result: TrainReport, cfg: MemfitConfig) -> bool:
+    """The memory monitor stopped training before train.max_steps (exit code 76, as one process)."""
+    return bool(result.memory_limit) and result.steps < cfg.train.max_steps
 
 
 def _write_error(job_dir: Path, rank: int, err: BaseException) -> None:
@@ -175,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
         _write_error(Path(job.job_dir), rank, err)
         _exit(1, clean=False)  # no barrier: the other ranks fail on their next collective, torchrun stops them
         return
-    _exit(Preempted.exit_code if result.preempted else 0, clean=True)
+    stopped = MemoryLimitError.exit_code if _memory_stopped(result, cfg) else 0
+    _exit(Preempted.exit_code if result.preempted else stopped, clean=True)
 
 
 if __name__ == "__main__":

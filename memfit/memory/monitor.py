@@ -116,7 +116,8 @@ def _nvml_used(device: torch.device) -> int | None:
 
 
 class MemoryMonitor:
-    """Watches every optimizer step of a Trainer (see `watch`); a disabled one only passes through."""
+    """Watches every optimizer step of the training loop, on each rank (see `watch`); a disabled one only passes
+    through."""
 
     def __init__(self, cfg: Any, budget: Budget, device: torch.device, tracker: Any, model: nn.Module,
                  optimizer: torch.optim.Optimizer, run_name: str = "memfit") -> None:
@@ -170,7 +171,7 @@ class MemoryMonitor:
                 "stops with a training checkpoint before this happens"
             ) from err
         if self.device.type == "cuda":
-            # Cheap host-side counters, read every step: the trainer resets the peak when it logs.
+            # Cheap host-side counters, read every step; only `read` resets them (one window per reading).
             self._cuda_peak = max(self._cuda_peak, self._cuda_peak_figure())
             if not self.sampled(step) and self._needs_action(self._cuda_peak):
                 self._record(step, None)
@@ -184,8 +185,10 @@ class MemoryMonitor:
         live.adopt([p for p in self.model.parameters()], "parameter")
         live.adopt([b for b in self.model.buffers()], "buffer")
         live.adopt([p.grad for p in self.model.parameters() if p.grad is not None], "gradient")
-        live.adopt([v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)],
-                   "optimizer")
+        # getattr: an engine's optimizer (DeepSpeed ZeRO) may keep its state elsewhere.
+        state = getattr(self.optimizer, "state", None) or {}
+        live.adopt([v for s in state.values() if isinstance(s, dict) for v in s.values()
+                    if isinstance(v, torch.Tensor)], "optimizer")
         return live
 
     def _cuda_peak_figure(self) -> int:
@@ -207,6 +210,7 @@ class MemoryMonitor:
         rss = int(self._process.memory_info().rss)
         if self.device.type == "cuda":
             peak, self._cuda_peak = self._cuda_peak, 0
+            torch.cuda.reset_peak_memory_stats(self.device)  # the next reading's window starts here
             return MemoryReading(step=step, peak_bytes=peak, measure=self.budget.measure,
                                  allocated_bytes=int(torch.cuda.memory_allocated(self.device)),
                                  reserved_bytes=int(torch.cuda.memory_reserved(self.device)), rss_bytes=rss,

@@ -143,7 +143,7 @@ def _reference_export(root: Path, bucket: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_killed_preempted_and_resumed_run_equals_an_uninterrupted_one(cli_env, s3_bucket, s3_client, tmp_path):
-    from memfit.checkpointing import CheckpointManager
+    from memfit.checkpoints import CheckpointManager
     from memfit.storage.s3 import S3Store
 
     _endpoint, bucket = s3_bucket

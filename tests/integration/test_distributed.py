@@ -145,7 +145,7 @@ def test_ddp_on_s3_rank_crash_fails_loudly_and_rerun_resumes(tmp_path, work, ref
             _train(cfg)
     finally:
         mp.undo()
-    from memfit.checkpointing import CheckpointManager
+    from memfit.checkpoints import CheckpointManager
     from memfit.storage import open_store
 
     assert [c.step for c in CheckpointManager(open_store(cfg.checkpoint.uri)).list()] == [4]
@@ -165,7 +165,7 @@ def test_spot_rebalance_saves_and_interruption_stops_every_rank(tmp_path, work):
 
     from fixtures.faults import FakeMetadata
 
-    from memfit.checkpointing import CheckpointManager
+    from memfit.checkpoints import CheckpointManager
     from memfit.distributed.launch import RUN_ID_FILE, job_dir
     from memfit.storage import open_store
 
@@ -222,3 +222,40 @@ def test_deepspeed_zero_preempts_and_resumes(tmp_path, work, reference, stage):
     _assert_close(_losses(cfg, report.mlflow_run_id), reference, range(1, STEPS + 1))
     export = pipeline.evaluate_and_export(cfg, report)  # whole weights rank 0 wrote beside the ZeRO shards
     assert export.safetensors_max_abs_diff == 0.0
+
+
+def test_fsdp2_memory_limit_stops_every_rank_with_a_checkpoint_and_exit_76(tmp_path, work):
+    """monitor.stop_at_fraction below the ranks' peak: as one process does, they stop with a committed
+    training checkpoint, the run ends KILLED with checkpoint_* metrics, and the error is exit code 76."""
+    from mlflow import MlflowClient
+
+    from memfit.checkpoints import CheckpointManager
+    from memfit.errors import MemoryLimitError
+    from memfit.reports import PlanReport, ResumePoint
+    from memfit.storage import open_store
+
+    # 50 kB: below what each rank holds of the tiny model (its parameter shard alone is larger).
+    cfg = _cfg(tmp_path, work, **{"distributed.nproc_per_node": 2, "distributed.strategy": "fsdp2",
+                                  "memory.budget_gb": 5e-5, "monitor.stop_at_fraction": 1.0,
+                                  "monitor.every_steps": 2, "checkpoint.every_steps": 100})
+    plan = PlanReport(policy="none", every_k=2, precision="fp32", micro_batch_size=cfg.train.micro_batch_size,
+                      grad_accum_steps=cfg.train.grad_accum_steps, reason="test", description="none",
+                      strategy="fsdp2", world_size=2)
+    with pytest.raises(MemoryLimitError, match=r"monitor\.stop_at_fraction=1\.0") as info:
+        pipeline.train(cfg, plan, ResumePoint(checkpoint_uri=cfg.checkpoint.uri), None)
+    assert info.value.exit_code == 76
+    manager = CheckpointManager(open_store(cfg.checkpoint.uri))
+    assert [c.step for c in manager.list()] == [1]  # the first reading (step 1) stops, with a save of that step
+    manifest = json.loads((tmp_path / "checkpoints" / "step-00000001" / "manifest.json").read_text())
+    assert manifest["format"] == "memfit-sharded-training-checkpoint/1" and manifest["world_size"] == 2
+    loaded = manager.latest(tmp_path / "verify")
+    assert loaded is not None and loaded.step == 1  # every checksum verifies
+    (run,) = _runs(cfg)
+    assert run.info.status == "KILLED" and run.data.tags["memfit.status"] == "memory_limit"
+    assert "memfit.memory.limit" in run.data.tags and "memfit.memory.warning" in run.data.tags
+    metrics = set(run.data.metrics)
+    assert {"checkpoint_stall_s", "checkpoint_snapshot_s", "checkpoint_write_upload_s", "checkpoint_bytes",
+            "memory/peak_bytes", "memory/budget_fraction"} <= metrics, metrics
+    bytes_logged = MlflowClient(cfg.tracking.uri).get_metric_history(run.info.run_id, "checkpoint_bytes")
+    assert [m.step for m in bytes_logged] == [1] and bytes_logged[0].value == sum(
+        int(f["bytes"]) for f in manifest["files"].values())

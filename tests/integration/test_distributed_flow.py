@@ -20,8 +20,8 @@ def test_tiny_ddp_flow_one_mlflow_run_and_verified_export(prefect_harness, tmp_p
 
     from flows.finetune import finetune
     from memfit import config
-    from memfit.checkpointing import CheckpointManager
-    from memfit.dist_checkpoint import consolidate
+    from memfit.checkpoints import CheckpointManager
+    from memfit.checkpoints.reader import consolidate
     from memfit.storage import open_store
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

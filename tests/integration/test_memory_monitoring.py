@@ -155,7 +155,7 @@ def captured_events(monkeypatch):
 def test_stop_at_the_limit_commits_a_checkpoint_and_exits_76(prefect_harness, captured_events, profiled, tmp_path):
     from typer.testing import CliRunner
 
-    from memfit.checkpointing import CheckpointManager
+    from memfit.checkpoints import CheckpointManager
     from memfit.cli import app
     from memfit.storage import open_store
 

@@ -16,7 +16,7 @@ import torch
 from fixtures.faults import FakeMetadata, FaultProxy
 
 from memfit import pipeline
-from memfit.checkpointing import MANIFEST, CheckpointManager, take_snapshot
+from memfit.checkpoints import MANIFEST, CheckpointManager, take_snapshot
 from memfit.errors import CheckpointError, Preempted
 from memfit.reports import PlanReport
 from memfit.storage.s3 import S3Store
@@ -103,7 +103,7 @@ def test_corrupt_checkpoint_on_s3_falls_back_with_a_warning(s3_bucket, s3_client
     else:
         data = data[: len(data) - 100]
     s3_client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
-    with caplog.at_level(logging.WARNING, logger="memfit.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="memfit.checkpoints"):
         loaded = m.latest(tmp_path / "dl")
     assert loaded.step == 2 and torch.all(loaded.model_state["weight"] == 2.0)
     assert "skipping training checkpoint" in caplog.text and "step-00000004" in caplog.text
@@ -167,14 +167,14 @@ def _at_step(monkeypatch, at: int, action) -> None:
 def _when_saving(monkeypatch, step: int, action) -> None:
     """Run `action` as the background writer starts uploading `step`: the fault hits that save, whatever
     earlier uploads are still doing on a slow machine."""
-    original = CheckpointManager._save_now
+    original = CheckpointManager._stage
 
-    def hooked(self, snap, *args, **kwargs):
+    def hooked(self, snap):
         if snap.step == step:
             action()
-        return original(self, snap, *args, **kwargs)
+        return original(self, snap)
 
-    monkeypatch.setattr(CheckpointManager, "_save_now", hooked)
+    monkeypatch.setattr(CheckpointManager, "_stage", hooked)
 
 @pytest.fixture(scope="module")
 def shared_work(tmp_path_factory) -> Path:
@@ -203,7 +203,7 @@ def test_training_rides_out_an_s3_outage(proxy, s3_bucket, s3_client, small, tmp
         threading.Timer(2.5, proxy.set_mode, args=("pass",)).start()
 
     _when_saving(monkeypatch, 4, outage)
-    with caplog.at_level(logging.INFO, logger="memfit.checkpointing"):
+    with caplog.at_level(logging.INFO, logger="memfit.checkpoints"):
         result = _train(cfg)
     assert result.steps == 8
     # The step-4 save started inside the 2.5 s outage and committed only after it; training went on.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.checkpointing import MANIFEST, CheckpointManager, take_snapshot
+from memfit.checkpoints import MANIFEST, CheckpointManager, take_snapshot
 from memfit.errors import CheckpointError
 from memfit.storage import LocalStore, StorageError, open_store
 
@@ -81,7 +81,7 @@ def test_corrupt_newest_falls_back_with_warning(manager, tmp_path, caplog, damag
     else:
         data = data[: len(data) // 2]
     target.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="memfit.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="memfit.checkpoints"):
         loaded = manager.latest(tmp_path / "dl")
     assert loaded.step == 2 and torch.all(loaded.model_state["weight"] == 2.0)
     assert "step-00000004" in caplog.text
@@ -143,7 +143,7 @@ def test_on_busy_skip_drops_the_second_save_without_snapshotting(tmp_path, caplo
     m.store.gate.clear()
     m.save(_snapshot(1), blocking=False)
     taken = []
-    with caplog.at_level(logging.WARNING, logger="memfit.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="memfit.checkpoints"):
         assert m.save(lambda: taken.append(1) or _snapshot(2), blocking=False) is None
     assert taken == [] and m.stats.skipped == 1 and "skipped" in caplog.text
     m.store.gate.set()
@@ -180,7 +180,7 @@ def test_failed_background_upload_surfaces_at_next_check_and_is_never_complete(t
 
 def test_transient_upload_failures_are_retried_with_backoff(tmp_path, caplog):
     m = _gated(tmp_path, failures=2, upload_attempts=3, retry_backoff_s=0.01)
-    with caplog.at_level(logging.WARNING, logger="memfit.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="memfit.checkpoints"):
         m.save(_snapshot(4))
     assert [i.step for i in m.list()] == [4]
     assert caplog.text.count("retrying in") == 2 and m.completed()[0].attempts == 3
@@ -200,7 +200,7 @@ def test_slow_save_warns_against_the_grace(tmp_path, caplog):
     m = _gated(tmp_path, grace_seconds=0.05)
     m.store.gate.clear()
     threading.Timer(0.2, m.store.gate.set).start()
-    with caplog.at_level(logging.WARNING, logger="memfit.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="memfit.checkpoints"):
         m.save(_snapshot(6))
     assert "more than checkpoint.grace_seconds" in caplog.text
     m.close()

@@ -204,7 +204,7 @@ def test_planned_micro_batches_split_evenly_over_the_ranks():
 
 # -- DCP files ------------------------------------------------------------------------------------------
 def test_dcp_index_with_a_planted_object_is_refused(tmp_path):
-    from memfit.dist_checkpoint import read_metadata
+    from memfit.checkpoints.reader import read_metadata
 
     class Evil:
         def __reduce__(self):
@@ -220,7 +220,8 @@ def test_dcp_index_with_a_planted_object_is_refused(tmp_path):
 def test_single_process_dcp_round_trip_and_lazy_consolidation(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from memfit.dist_checkpoint import METADATA_FILE, consolidate, indexed_optimizer_state, read_metadata
+    from memfit.checkpoints.format import METADATA_FILE
+    from memfit.checkpoints.reader import consolidate, indexed_optimizer_state, read_metadata
 
     model = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}
     optim = {"w": {"step": torch.tensor(3.0), "exp_avg": torch.full((2, 3), 0.5)}}
@@ -335,7 +336,7 @@ def test_multinode_manifest_starts_nodes_1_to_n_minus_1(tmp_path):
 
 
 def test_launch_node_needs_more_than_one_process():
-    from memfit.distributed.launch import launch_node
+    from memfit.pipeline import launch_node
 
     with pytest.raises(ConfigError, match="launch-node is for multi-process runs"):
         launch_node(_cfg())

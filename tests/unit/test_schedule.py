@@ -43,7 +43,7 @@ def test_rng_round_trip_is_exact_and_json_able():
 
 def test_cuda_rng_is_saved_for_this_device_and_old_per_gpu_lists_still_load(monkeypatch):
     """A resume may see another number of GPUs: the state is this device's; an old list is indexed safely."""
-    from memfit.dist_checkpoint import rng_from_payload, rng_payload
+    from memfit.checkpoints.format import rng_from_payload, rng_payload
 
     one = torch.arange(16, dtype=torch.uint8)
     json_state, tensors = capture_rng()

@@ -1,0 +1,18 @@
+"""Training checkpoints (state to resume from, not gradient checkpointing): format, index, writer, reader."""
+
+from memfit.checkpoints.format import (
+    CONFIG_FILE,
+    MANIFEST,
+    CheckpointEntry,
+    CheckpointInfo,
+    LoadedCheckpoint,
+    Snapshot,
+    sha256_file,
+    take_snapshot,
+)
+from memfit.checkpoints.index import CheckpointIndex
+from memfit.checkpoints.manager import CheckpointManager
+from memfit.checkpoints.reader import read_checkpoint_folder
+
+__all__ = ["CONFIG_FILE", "MANIFEST", "CheckpointEntry", "CheckpointIndex", "CheckpointInfo", "CheckpointManager",
+           "LoadedCheckpoint", "Snapshot", "read_checkpoint_folder", "sha256_file", "take_snapshot"]

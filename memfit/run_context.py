@@ -1,0 +1,168 @@
+"""What every phase and every rank shares: inputs, run identity, stores, the training model, MLflow set-up."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import memfit
+from memfit.checkpoints import CheckpointManager
+from memfit.config import MemfitConfig
+from memfit.data import DataBundle, data_digest, load_texts
+from memfit.memory.policies import apply_policy, make_policy
+from memfit.modeling import check_seq_len, load_model_and_tokenizer
+from memfit.preflight import open_checkpoint_store
+from memfit.reports import PlanReport, ProbeReport
+
+log = logging.getLogger("memfit.pipeline")
+
+
+@dataclass
+class Inputs:
+    texts: list[str]
+    digest: str
+    model: Any
+    tokenizer: Any
+    source: str
+
+
+def load_inputs(cfg: MemfitConfig) -> Inputs:
+    """Texts, the model (a preset is built on first use) and its tokenizer, all through from_pretrained."""
+    texts = load_texts(cfg.data)
+    digest = data_digest(texts)
+    model, tokenizer, source = load_model_and_tokenizer(cfg, texts, digest)
+    check_seq_len(cfg, model.config)
+    return Inputs(texts=texts, digest=digest, model=model, tokenizer=tokenizer, source=source)
+
+
+def run_identity(cfg: MemfitConfig) -> dict[str, Any]:
+    """The settings a resumed run must share with its training checkpoints (max_steps may grow)."""
+    t = cfg.train.model_dump(mode="json")
+    for volatile in ("max_steps", "device", "num_threads", "log_every_steps", "eval_batches"):
+        t.pop(volatile)
+    return {"model": cfg.model.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"), "train": t}
+
+
+
+def staging_dir(cfg: MemfitConfig, what: str) -> Path:
+    """A local folder for `what` (staging, resume, export-src, ...) of this run's checkpoint.uri."""
+    key = hashlib.sha256(cfg.checkpoint.uri.encode()).hexdigest()[:12]
+    return Path(cfg.run.work_dir) / what / key
+
+
+
+def checkpoint_manager(cfg: MemfitConfig) -> CheckpointManager:
+    ck = cfg.checkpoint
+    return CheckpointManager(open_checkpoint_store(cfg), keep_last=ck.keep_last,
+                             staging_dir=staging_dir(cfg, "staging"), on_busy=ck.on_busy,
+                             upload_attempts=ck.upload_attempts, retry_backoff_s=ck.retry_backoff_seconds,
+                             grace_seconds=ck.grace_seconds, every_steps=ck.every_steps)
+
+
+
+def sharded_checkpointer(cfg: MemfitConfig, rank: int, world_size: int) -> Any:
+    """One rank's side of sharded training checkpoints, with the same writer settings as one process."""
+    from memfit.checkpoints.sharded import ShardedCheckpointer
+
+    ck = cfg.checkpoint
+    return ShardedCheckpointer(open_checkpoint_store(cfg), staging_dir(cfg, "dcp-staging"), rank, world_size,
+                               ck.keep_last, commit_timeout_s=cfg.distributed.timeout_minutes * 60,
+                               every_steps=ck.every_steps, on_busy=ck.on_busy, upload_attempts=ck.upload_attempts,
+                               retry_backoff_s=ck.retry_backoff_seconds, grace_seconds=ck.grace_seconds)
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+
+def plan_policy(cfg: MemfitConfig, name: str, every_k: int | None, kinds: Any) -> Any:
+    return make_policy(name, every_k=every_k or cfg.memory.every_k, save_ops=cfg.memory.selective_save_ops,
+                       block_class=cfg.memory.block_class, kinds=kinds)
+
+
+
+def planned_config(cfg: MemfitConfig, plan: PlanReport) -> MemfitConfig:
+    """The config the trainer runs: precision and accumulation as planned (the global batch never changes)."""
+    train = cfg.train.model_copy(update={"precision": plan.precision, "grad_accum_steps": plan.grad_accum_steps})
+    return cfg.model_copy(update={"train": train})
+
+
+
+def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanReport) -> torch.nn.Module:
+    """LoRA adapters when planned, then the planned gradient-checkpointing policy (its one entry point)."""
+    if plan.lora:
+        from memfit.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora)
+    kinds = plan.block_kinds if plan.policy == "mixed" else None
+    apply_policy(model, plan_policy(cfg, plan.policy, plan.every_k, kinds))
+    return model
+
+
+
+def log_training_end(tracker: Any, plan: PlanReport, probe_report: ProbeReport | None, steps: int) -> None:
+    """The memory figure and the tracking overhead; the run stays open for phase 5 (which ends it)."""
+    from memfit.evaluation import log_memory_figure
+
+    tracker.flush()
+    overhead = getattr(tracker, "overhead", lambda: None)()
+    if overhead is not None:
+        log.info("metric logging took %.3f%% of step time on the training thread (+%.3f%% in its writer thread)",
+                 100 * overhead["tracking_overhead_fraction"], 100 * overhead["tracking_writer_fraction"])
+        tracker.log_metrics(overhead, step=steps)
+    log_memory_figure(tracker, probe_report.baseline if probe_report else None, plan.model_dump())
+    close = getattr(tracker, "close", None)
+    if close is not None:
+        close()
+
+
+
+def run_tags(device: torch.device) -> dict[str, str]:
+    tags = {"memfit.version": memfit.__version__, "memfit.device": device.type, "memfit.host": platform.node(),
+            "memfit.device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+            else (platform.processor() or platform.machine()),
+            "memfit.torch": torch.__version__}
+    commit = git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
+
+def log_run_start(tracker: Any, cfg: MemfitConfig, plan: PlanReport, data: DataBundle,
+                   probe_report: ProbeReport | None) -> None:
+    params = cfg.flat()
+    params.update({f"plan.{k}": v for k, v in plan.model_dump().items()
+                   if k not in ("alternatives", "block_kinds", "table_markdown")})
+    params.update({"data.digest": data.digest, "data.train_blocks": len(data.train),
+                   "data.val_blocks": len(data.val), "data.source": data.source})
+    tracker.log_params(params)
+    tracker.log_text(cfg.to_yaml(), "config/resolved.yaml")
+    tracker.log_text(json.dumps(plan.model_dump(), indent=2), "memory/plan.json")
+    from memfit.evaluation import plan_table
+
+    tracker.log_text(plan_table(plan.model_dump(), probe_report.baseline if probe_report else None), "memory/plan.md")
+    for context, blocks in (("training", data.train), ("validation", data.val)):
+        tracker.log_dataset(f"{data.source} [{context}]", data.digest, cfg.data.path or data.source, context,
+                            {"blocks": int(blocks.shape[0]), "seq_len": int(blocks.shape[1]),
+                             "tokens": int(blocks.numel())})
+    if plan.table_markdown:
+        tracker.log_text(plan.table_markdown + "\n", "memory/plan_candidates.md")
+    if probe_report is not None:
+        tracker.log_text(json.dumps(probe_report.environment, indent=2), "environment/report.json")
+        tracker.log_text(json.dumps(probe_report.baseline, indent=2), "memory/baseline_probe.json")
+        tracker.log_metrics({"baseline_peak_bytes": probe_report.baseline["peak_bytes"]}, step=0)

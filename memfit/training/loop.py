@@ -1,0 +1,253 @@
+"""The training loop, the only one: micro-batches, accumulation, agreement, metrics, training checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from memfit.config import MemfitConfig
+from memfit.data import BatchOrder, DataBundle
+from memfit.memory.monitor import MemoryMonitor
+from memfit.memory.probe import autocast_context
+from memfit.optim import memory_now, step_metrics
+from memfit.reports import TrainReport
+from memfit.schedule import restore_rng, seed_everything
+from memfit.tracking.base import Tracker
+from memfit.training.strategies import Agreement, SingleProcess
+
+log = logging.getLogger("memfit.train")
+
+
+def _test_fault(rank: int, step: int) -> None:
+    # TEST-ONLY hook: MEMFIT_TEST_RANK_FAULT="<sigterm|crash>:<rank>:<step>" makes one rank receive SIGTERM
+    # (as from a spot reclaim) or raise, right after that optimizer step, so tests hit the real paths.
+    spec = os.environ.get("MEMFIT_TEST_RANK_FAULT")
+    if not spec:
+        return
+    kind, r, s = spec.split(":")
+    if int(r) == rank and int(s) == step:
+        if kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif kind == "crash":
+            raise RuntimeError(f"injected crash on rank {rank} at step {step} (MEMFIT_TEST_RANK_FAULT)")
+
+
+class Trainer:
+    """One run's (one rank's) optimizer, schedule, data order and step counter; `fit` trains to max_steps.
+
+    What differs between one process, DDP, FSDP2 and DeepSpeed is the strategy's (training/strategies.py);
+    when to save is the checkpointer's (checkpoints/writer.py `due`); the rest is here, once.
+    """
+
+    def __init__(self, cfg: MemfitConfig, model: nn.Module, data: DataBundle, device: torch.device,
+                 tracker: Tracker, checkpoints: Any, identity: dict[str, Any], strategy: SingleProcess | None = None
+                 ) -> None:
+        self.cfg, self.data, self.device = cfg, data, device
+        self.tracker, self.checkpoints, self.identity = tracker, checkpoints, identity
+        self.strategy = strategy or SingleProcess(device, cfg.train.precision)
+        self.strategy.prepare(model, cfg.train)
+        s = self.strategy
+        self.model, self.optimizer, self.scheduler, self.scaler = s.model, s.optimizer, s.scheduler, s.scaler
+        t = cfg.train
+        self.order = BatchOrder(len(data.train), t.micro_batch_size, t.seed)
+        self.step = 0
+        self.tokens_seen = 0
+        self.initial_val_loss: float | None = None
+        self.resumed_from: int | None = None
+        self.monitor = MemoryMonitor.for_run(cfg, device, tracker, *s.monitored())
+        seed_everything(t.seed + s.seed_offset())
+
+    # -- state --------------------------------------------------------------------------------------------
+    def resume_state(self, rng_json: dict[str, Any]) -> dict[str, Any]:
+        """What every training checkpoint holds besides tensors (the strategy adds its own keys)."""
+        return {"tokens_seen": self.tokens_seen, "data_order": self.order.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
+                "rng": rng_json, "initial_val_loss": self.initial_val_loss, "mlflow_run_id": self.tracker.run_id,
+                "identity": self.identity}
+
+    # Hooks for what a training checkpoint holds of the model: all weights here; with adapters (LoRA) an
+    # override returns and loads only the trainable ones (the frozen base comes from model.name_or_path).
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def load_model_state(self, state: Any) -> None:
+        self.model.load_state_dict(state, strict=True)
+
+    def restore(self, folder: str | Path) -> None:
+        """Resume from a local training checkpoint folder (collective with several ranks)."""
+        state, rng = self.strategy.restore(self, Path(folder))
+        self.order.load_state_dict(state["data_order"])
+        self.step = int(state["step"])
+        if rng is not None:
+            restore_rng(*rng)
+        else:  # this rank did not exist in the saved run: a fresh stream, distinct per rank and step
+            seed_everything(self.cfg.train.seed + 7919 * self.strategy.rank + self.step)
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.initial_val_loss = state.get("initial_val_loss")
+        self.resumed_from = self.step
+
+    # -- evaluation ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, max_batches: int | None = None) -> float:
+        # Every rank evaluates the same batches (FSDP2 forwards are collective); the result is identical.
+        return evaluate_loss(self.strategy.eval_model(), self.data.val, self.cfg.train.micro_batch_size,
+                             self.device, self.strategy.autocast_precision, max_batches or self.cfg.train.eval_batches)
+
+    def log_initial_val_loss(self) -> None:
+        """The validation loss before the first step (MLflow step 0), once per run: a resumed run keeps its own."""
+        if self.initial_val_loss is None:
+            self.initial_val_loss = self.evaluate()
+            self.tracker.log_metrics({"val_loss": self.initial_val_loss,
+                                      "val_perplexity": math.exp(min(self.initial_val_loss, 50))}, step=0)
+
+    # -- training -----------------------------------------------------------------------------------------
+    def optimizer_step(self) -> tuple[torch.Tensor, float]:
+        """One optimizer step over grad_accum_steps micro-batches; (this rank's loss, global grad norm)."""
+        t, s = self.cfg.train, self.strategy
+        loss_sum = torch.zeros((), device=self.device)
+        for k in range(t.grad_accum_steps):
+            # The same global order on every rank; each takes its slice of the micro-batch.
+            idx = s.shard(self.order.next_indices(), t.micro_batch_size)
+            batch = self.data.train[idx].to(self.device, non_blocking=True)
+            with s.micro_batch(last=k == t.grad_accum_steps - 1):
+                with autocast_context(self.device, s.autocast_precision):
+                    loss = self.model(input_ids=batch, labels=batch).loss
+                loss_sum += s.backward(loss, t.grad_accum_steps)
+        self.tokens_seen += t.micro_batch_size * t.grad_accum_steps * self.data.train.shape[1]
+        grad_norm = s.optimizer_step(t.max_grad_norm)
+        self.step += 1
+        return loss_sum, grad_norm
+
+    def save(self, blocking: bool, force: bool = False, deadline: float | None = None, busy: bool | None = None
+             ) -> None:
+        fut = self.strategy.save(self, blocking=blocking, force=force, deadline=deadline, busy=busy)
+        rec = self.checkpoints.stats.last
+        if fut is not None and rec is not None and rec.step == self.step:
+            self.tracker.log_metrics({"checkpoint_stall_s": rec.stall_s, "checkpoint_snapshot_s": rec.snapshot_s},
+                                     step=self.step)
+
+    def _log_committed(self) -> None:
+        for rec in self.checkpoints.completed():
+            metrics = {"checkpoint_write_upload_s": rec.write_upload_s or 0.0, "checkpoint_bytes": rec.bytes or 0}
+            if rec.upload_mb_per_s:
+                metrics["checkpoint_upload_mb_per_s"] = rec.upload_mb_per_s
+            self.tracker.log_metrics(metrics, step=rec.step)
+
+    def _agree(self, loss_sum: torch.Tensor, stop: threading.Event | None,
+               save_request: threading.Event | None) -> Agreement:
+        asked = save_request is not None and save_request.is_set()
+        if asked:
+            save_request.clear()  # type: ignore[union-attr]
+        return self.strategy.agree(loss_sum, stop=stop is not None and stop.is_set(), save=asked,
+                                   memory=self.monitor.stop_requested, busy=self.checkpoints.busy)
+
+    def fit(self, stop: threading.Event | None = None, save_request: threading.Event | None = None
+            ) -> TrainReport:
+        """Train to train.max_steps. `stop` (SIGTERM, spot notice) ends after the current step with a synchronous
+        save; `save_request` (a rebalance recommendation) asks for a save now. With several ranks, any rank's
+        stop, save request or memory limit holds for all (one all-reduce per step, with the loss)."""
+        t, s = self.cfg.train, self.strategy
+        start = self.step
+        self.log_initial_val_loss()
+        tokens_per_step = t.batch_size * self.data.train.shape[1]
+        last_loss: float | None = None
+        peak_mem, run_tokens, preempted, memory_stop = 0, 0, False, False
+        run_t0 = time.perf_counter()
+        bar = tqdm(total=t.max_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                   disable=None if s.is_main else True, leave=False)
+        try:
+            while self.step < t.max_steps:
+                t0 = time.perf_counter()
+                self.model.train()
+                with self.monitor.watch(self.step + 1):
+                    loss_sum, grad_norm = self.optimizer_step()
+                _test_fault(s.rank, self.step)
+                agreed = self._agree(loss_sum, stop, save_request)
+                last_loss, dt = agreed.loss, time.perf_counter() - t0
+                run_tokens += tokens_per_step
+                if self.step % t.log_every_steps == 0 or self.step == t.max_steps:
+                    memory = memory_now(self.device)
+                    peak_mem = max(peak_mem, memory[0])
+                    self.tracker.log_metrics(step_metrics(last_loss, self.scheduler.get_last_lr()[0], grad_norm,
+                                                          tokens_per_step, dt, memory), step=self.step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", **self.monitor.postfix)
+                if s.world_size > 1 and s.is_main and (self.step % max(1, t.max_steps // 10) == 0
+                                                       or self.step == t.max_steps):
+                    log.info("step %d/%d: loss %.4f, %.0f tokens/s on %d ranks", self.step, t.max_steps, last_loss,
+                             tokens_per_step / dt, s.world_size)
+                # A background save that failed fails the run here, not `every_steps` later.
+                self.checkpoints.raise_if_failed()
+                self._log_committed()
+                agreed = s.settle(agreed, stop, save_request)
+                if agreed.memory:
+                    memory_stop = True
+                    break  # saved below like a preemption; the caller turns it into MemoryLimitError
+                if agreed.stop:
+                    preempted = True
+                    log.warning("rank %d: stop agreed at step %d: saving", s.rank, self.step)
+                    break
+                if self.checkpoints.due(self.step, last=self.step >= t.max_steps, requested=agreed.save):
+                    if agreed.save:
+                        log.info("rank %d: save requested at step %d (spot rebalance recommendation)", s.rank,
+                                 self.step)
+                    # Metrics up to a checkpoint are durable: after a SIGKILL the resumed run logs from there.
+                    self.tracker.flush()
+                    self.save(blocking=False, force=agreed.save, busy=agreed.busy)  # written off the training thread
+        finally:
+            bar.close()
+        self._save_last(stop if preempted else None)
+        return TrainReport(
+            mlflow_run_id=self.tracker.run_id or "", start_step=start, steps=self.step,
+            resumed_from=self.resumed_from, preempted=preempted, initial_val_loss=self.initial_val_loss,
+            final_train_loss=last_loss, tokens_per_s=(run_tokens / (time.perf_counter() - run_t0)) if run_tokens
+            else None, peak_memory_bytes=peak_mem, last_checkpoint_uri=self.checkpoints.latest_uri(),
+            preempt_reason=getattr(stop, "reason", None) if preempted else None,
+            checkpoint_stats=self.checkpoints.stats.to_dict(), memory_limit=self._memory_message() if memory_stop
+            else None)
+
+    def _save_last(self, stop: threading.Event | None) -> None:
+        """The final (or preemption) save is synchronous: the process may end right after it. On preemption its
+        retries must end within the grace period that is left."""
+        requested_at = getattr(stop, "requested_at", None)
+        deadline = requested_at + self.cfg.checkpoint.grace_seconds if requested_at is not None else None
+        if self.checkpoints.last_step == self.step:
+            self.checkpoints.wait()  # this very step is already saved or being saved
+        else:
+            self.save(blocking=True, deadline=deadline)
+        self._log_committed()
+        self.tracker.flush()
+
+    def _memory_message(self) -> str:
+        if self.monitor.stop_message:
+            return self.monitor.stop_message
+        return (f"the memory peak on another rank passed monitor.stop_at_fraction at step {self.step} (its log has "
+                "the figures): stopped with a training checkpoint instead of running out of memory")
+
+
+@torch.no_grad()
+def evaluate_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int, device: torch.device,
+                  precision: str = "fp32", max_batches: int = 8) -> float:
+    """Mean token loss over the first `max_batches` validation batches (a fixed subset, so runs compare)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, min(len(blocks), batch_size * max_batches), batch_size):
+        batch = blocks[i:i + batch_size].to(device)
+        with autocast_context(device, precision):
+            loss = model(input_ids=batch, labels=batch).loss
+        n = batch.numel()
+        total += float(loss) * n
+        count += n
+    model.train(was_training)
+    return total / max(count, 1)

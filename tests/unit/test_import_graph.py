@@ -1,0 +1,110 @@
+"""memfit's internal imports form no cycle, and the core (all but memfit/cli.py) never imports prefect."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+PACKAGE = Path(__file__).resolve().parents[2] / "memfit"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(path: Path, name: str, module_level_only: bool) -> set[str]:
+    """Absolute names this module imports (relative imports resolved), at module level or anywhere."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if _type_checking_only(node):
+            return  # annotations only: never run
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            in_function = True
+        if module_level_only and in_function:
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_function)
+
+    visit(tree, False)
+    return found
+
+
+def _graph(module_level_only: bool) -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: {m for m in _imports(path, name, module_level_only) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a path a -> b -> ... -> a, or None (depth-first search, three colours)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state:
+                found = dfs(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = dfs(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_graph_sees_memfit_imports():
+    graph = _graph(module_level_only=False)
+    assert "memfit.checkpoints.index" in graph["memfit.checkpoints.manager"]
+    assert "memfit.training.loop" in graph["memfit.pipeline"]  # a function-level import counts here
+
+
+def test_no_import_cycle_at_module_level():
+    cycle = _find_cycle(_graph(module_level_only=True))
+    assert cycle is None, "import cycle among memfit's modules: " + " -> ".join(cycle or [])
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    # Deferred imports are how cycles hide: counted too, so a package's layers point one way.
+    cycle = _find_cycle(_graph(module_level_only=False))
+    assert cycle is None, "import cycle (counting function-level imports): " + " -> ".join(cycle or [])
+
+
+def test_the_core_never_imports_prefect():
+    offenders = sorted(name for name, path in _modules().items() if name != "memfit.cli"
+                       and any(m == "prefect" or m.startswith("prefect.")
+                               for m in _imports(path, name, module_level_only=False)))
+    assert offenders == [], f"these memfit modules import prefect (only memfit/cli.py may): {offenders}"
