@@ -448,6 +448,9 @@ def main() -> None:
     global _GUARD
     from memfit.termination import EXIT_PREEMPTED, ExitGuard
 
+    if sys.argv[1:2] not in (["run"], ["resume"]):
+        app()  # the other commands start no flow: Python's own signal handling is right for them
+        return
     _GUARD = ExitGuard().install()
     code: int = 0
     try:

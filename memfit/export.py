@@ -20,6 +20,7 @@ from torch import nn
 import memfit
 from memfit.errors import ExportError
 from memfit.parity import ParityCriteria, ShapeParity, parity_failure, shape_parity
+from memfit.preflight import probe_writable
 
 MANIFEST_NAME = "memfit-export.json"
 # Beside an ONNX file: <name>.memfit.json (memfit version, source run, parity per shape, checksums).
@@ -111,10 +112,7 @@ def _device_of(model: nn.Module) -> torch.device:
 def _writable_dir(folder: Path, what: str) -> None:
     """Create `folder` if needed and prove it is writable now, before minutes of export work."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".memfit-write-test-{secrets.token_hex(4)}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        probe_writable(folder)
     except OSError as e:
         raise ExportError(
             f"cannot write the {what} into {folder}: {e.strerror or e}. "

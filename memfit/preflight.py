@@ -85,13 +85,18 @@ def check_model_source(model: ModelConfig) -> None:
         resolve_model_source(model.name_or_path, need_config=True)
 
 
+def probe_writable(folder: Path) -> None:
+    """Create `folder` if needed and prove it can be written now (OSError if not), before minutes of work."""
+    folder.mkdir(parents=True, exist_ok=True)
+    probe_file = folder / f".memfit-write-test-{os.getpid()}-{os.urandom(4).hex()}"
+    probe_file.write_bytes(b"")
+    probe_file.unlink()
+
+
 def check_writable_dir(path: str | Path, field: str) -> None:
     folder = Path(path)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe_file = folder / f".memfit-write-test-{os.getpid()}"
-        probe_file.write_bytes(b"ok")
-        probe_file.unlink()
+        probe_writable(folder)
     except OSError as err:
         raise ConfigError(f"{field}: cannot write to {folder} ({err.strerror or err}); choose a writable folder "
                           f"with --set {field}=PATH") from None

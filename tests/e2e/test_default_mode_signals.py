@@ -1,8 +1,8 @@
 """The default mode as users run it (no PREFECT_API_URL, one Prefect home): slots, stop signals, one-line errors.
 
-One run trains and holds the training slot; a second waits for it and says so, and SIGTERM ends it at once
-with exit 75; Ctrl-C during Prefect's start-up does the same; an error inside a task is memfit's one line;
-then the holder is SIGKILLed and the next run trains at once, and no Prefect server outlives its run.
+While the training slot is taken a run waits and says so, and SIGTERM ends it at once with exit 75; Ctrl-C
+during Prefect's start-up does the same; an error inside a task is memfit's one line; a slot holder SIGKILLed
+while a run waits lets it train at once; and no Prefect server outlives its run.
 """
 
 from __future__ import annotations
@@ -81,21 +81,33 @@ def _sets(folder: Path, *extra: str) -> tuple[str, ...]:
             f"export.dir={folder / 'export'}", "checkpoint.grace_seconds=20", *extra)
 
 
-def test_slots_signals_and_errors_in_the_default_mode(tmp_path, home):
-    holder = Cli(tmp_path / "holder", home, *_sets(tmp_path / "holder", "train.max_steps=100000",
-                                                   "checkpoint.every_steps=100000"))
-    try:
-        holder.wait_for("Beginning flow run")
-        holder.wait_for("training: steps")  # past the slot: training has started
-        waiter = Cli(tmp_path / "waiter", home, *_sets(tmp_path / "waiter", "train.max_steps=4"))
-        bad_model = tmp_path / "bad-model"
-        bad_model.mkdir()
-        (bad_model / "config.json").write_text('{"model_type": "llama"}')  # passes preflight, fails to load
-        broken = Cli(tmp_path / "broken", home, *_sets(tmp_path / "broken", f"model.name_or_path={bad_model}"))
+HOLD_SLOT = """
+import sys, time
+from memfit.slots import machine_slot
+with machine_slot(sys.argv[1], "memfit-training", 1, run="stand-in", notify=print):
+    print("held", flush=True)
+    time.sleep(600)
+"""
 
-        # The waiter says what it waits for and who holds it, then SIGTERM ends it within the grace, exit 75.
+
+def test_slots_signals_and_errors_in_the_default_mode(tmp_path, home):
+    from memfit.slots import machine_slot
+
+    slots = home / "memfit-slots"  # where `memfit run` keeps its training slots in the default mode
+    bad_model = tmp_path / "bad-model"
+    bad_model.mkdir()
+    (bad_model / "config.json").write_text('{"model_type": "llama"}')  # passes preflight, fails to load
+
+    # The slot is taken (here, by this test): the run waits, says what for and who holds it, and SIGTERM
+    # ends it within the grace, exit 75, one line.
+    with machine_slot(slots, "memfit-training", 1, run="the-test", notify=print):
+        waiter = Cli(tmp_path / "waiter", home, *_sets(tmp_path / "waiter", "train.max_steps=4"))
         waiter.wait_for("for a training slot")
-        assert f"pid {holder.proc.pid}" in waiter.err and "deploy.training_slots" in waiter.err
+        # Started once the first server is up: two Prefect servers migrating one fresh home at the same moment
+        # log a (harmless) block-registration race of Prefect's own.
+        broken = Cli(tmp_path / "broken", home, *_sets(tmp_path / "broken", f"model.name_or_path={bad_model}"))
+        assert f"pid {os.getpid()}" in waiter.err and "the-test" in waiter.err
+        assert "deploy.training_slots" in waiter.err
         waiter.signal_group(signal.SIGTERM)
         t0 = time.monotonic()
         assert waiter.wait(30) == 75, waiter.err[-3000:]
@@ -103,28 +115,31 @@ def test_slots_signals_and_errors_in_the_default_mode(tmp_path, home):
         assert waiter.err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
         assert "Traceback" not in waiter.err
 
-        # An error raised inside a task: memfit's one line, naming the file that holds the traceback.
-        assert broken.wait(240) == 2, broken.err[-3000:]
-        assert "Traceback" not in broken.err
-        last = [ln for ln in broken.err.splitlines() if ln.startswith("error: ")][-1]
-        assert last.startswith("error: model.name_or_path: could not load") and "traceback: " in last
-        log_file = Path(last.rsplit("traceback: ", 1)[1].split(";")[0])
-        assert "Traceback" in (tmp_path / "broken" / log_file).read_text()
+    # An error raised inside a task: memfit's one line, naming the file that holds the traceback.
+    assert broken.wait(240) == 2, broken.err[-3000:]
+    assert "Traceback" not in broken.err
+    last = [ln for ln in broken.err.splitlines() if ln.startswith("error: ")][-1]
+    assert last.startswith("error: model.name_or_path: could not load") and "traceback: " in last
+    log_file = Path(last.rsplit("traceback: ", 1)[1].split(";")[0])
+    assert "Traceback" in (tmp_path / "broken" / log_file).read_text()
 
-        # Ctrl-C while Prefect's server starts: the same clean exit 75.
-        early = Cli(tmp_path / "early", home, *_sets(tmp_path / "early"))
-        early.wait_for("Starting temporary server")
-        early.signal_group(signal.SIGINT)
-        assert early.wait(30) == 75, early.err[-3000:]
-        assert "Traceback" not in early.err
-    finally:
-        holder.signal_group(signal.SIGKILL)  # the spot reclaim / OOM kill
-        holder.proc.wait(30)
+    # Ctrl-C while Prefect's server starts: the same clean exit 75.
+    early = Cli(tmp_path / "early", home, *_sets(tmp_path / "early"))
+    early.wait_for("Starting temporary server")
+    early.signal_group(signal.SIGINT)
+    assert early.wait(30) == 75, early.err[-3000:]
+    assert "Traceback" not in early.err
 
-    # The next run on this machine trains at once: the dead holder's slot went with it.
+    # A holder SIGKILLed while a run waits (the spot reclaim, the OOM killer): the run trains at once.
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_SLOT, str(slots)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    assert holder.stdout.readline().strip() == "held"
     after = Cli(tmp_path / "after", home, *_sets(tmp_path / "after", "train.max_steps=4"))
+    after.wait_for("for a training slot")
+    holder.kill()
+    holder.wait(10)
     assert after.wait(300) == 0, after.err[-3000:]
-    assert "for a training slot" not in after.err
+    assert "training: steps 1 to 4" in after.err
     deadline = time.monotonic() + 20  # the reapers stop each run's server; none outlives its run
     while _servers_of(home) and time.monotonic() < deadline:
         time.sleep(0.5)
