@@ -26,10 +26,11 @@ def model_config_for(cfg: Any) -> Any:
     """The transformers config of the model a memfit config trains; weights and tokenizer are not needed."""
     from transformers import AutoConfig
 
-    from memfit.modeling import _preset_config, _preset_spec, _resolve
+    from memfit.modeling import _preset_config, _preset_spec
+    from memfit.preflight import resolve_model_source
 
     if cfg.model.name_or_path:
-        target, local = _resolve(cfg.model.name_or_path, need_config=True)
+        target, local = resolve_model_source(cfg.model.name_or_path, need_config=True)
         try:
             return AutoConfig.from_pretrained(target, trust_remote_code=cfg.model.trust_remote_code,
                                               local_files_only=local)
