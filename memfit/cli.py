@@ -95,8 +95,7 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
         if _GUARD is not None and _GUARD.signalled:  # Prefect's TerminationSignal, a second Ctrl-C, ...
             from memfit.termination import Interrupted
 
-            _fail(Interrupted(f"stopped by {_GUARD.signal_name}; run the same command again to resume from the "
-                              "newest committed training checkpoint"))
+            _fail(Interrupted.by(_GUARD.signal_name))
         raise
     finally:
         if quiet is not None:

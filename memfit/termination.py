@@ -22,6 +22,11 @@ class Interrupted(MemfitError):
 
     exit_code = EXIT_PREEMPTED
 
+    @classmethod
+    def by(cls, signal_name: str | None) -> Interrupted:
+        return cls(f"stopped by {signal_name}; run the same command again to resume from the newest committed "
+                   "training checkpoint")
+
 
 class ExitGuard:
     """Bounds how long a stop signal may take to end the process.
@@ -83,8 +88,7 @@ class ExitGuard:
         self._calls += 1
         if self._calls > 1:
             self._leave(f"second {name}: stopping now")
-        raise Interrupted(f"stopped by {name}; run the same command again to resume from the newest committed "
-                          "training checkpoint")
+        raise Interrupted.by(name)
 
     # -- the deadline -------------------------------------------------------------------------------
     @property
