@@ -12,6 +12,7 @@ from torch import nn
 from memfit.memory.devices import DeviceProfile
 from memfit.memory.tracker import StepTracker, tensors_of
 from memfit.optim import make_adamw
+from memfit.training.loss import LossPolicy, PlainLoss
 
 
 def autocast_context(device: torch.device, precision: str):
@@ -51,15 +52,17 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def run_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, batches: Sequence[torch.Tensor],
-             precision: str, tracker: StepTracker | None = None, max_grad_norm: float | None = 1.0) -> None:
+             precision: str, tracker: StepTracker | None = None, max_grad_norm: float | None = 1.0,
+             loss_fn: LossPolicy | None = None) -> None:
     """Forward + backward per micro-batch (loss / accumulation steps), then clip and step, like the trainer."""
+    loss_fn = loss_fn or PlainLoss()
     n = len(batches)
     for m, batch in enumerate(batches):
         if tracker is not None:
             tracker.reset_mod_stats()  # MemTracker needs this between calls of the root module
             tracker.phase("fwd", f"m{m}.")
         with autocast_context(batch.device, precision):
-            loss = model(input_ids=batch, labels=batch).loss / n
+            loss = loss_fn(model, {"input_ids": batch, "labels": batch}) / n
         if tracker is not None:
             tracker.phase("bwd", f"m{m}.")
         loss.backward()

@@ -23,6 +23,7 @@ from memfit.optim import memory_now, step_metrics
 from memfit.reports import TrainReport
 from memfit.schedule import restore_rng, seed_everything
 from memfit.tracking.base import Tracker
+from memfit.training.loss import Batch, LossPolicy, blocks_batch, make_loss
 from memfit.training.strategies import Agreement, SingleProcess
 
 log = logging.getLogger("memfit.train")
@@ -65,6 +66,7 @@ class Trainer:
         self.initial_val_loss: float | None = None
         self.resumed_from: int | None = None
         self.monitor = MemoryMonitor.for_run(cfg, device, tracker, *s.monitored())
+        self.loss: LossPolicy = make_loss(cfg)
         seed_everything(t.seed + s.seed_offset())
 
     # -- state --------------------------------------------------------------------------------------------
@@ -101,7 +103,8 @@ class Trainer:
     def evaluate(self, max_batches: int | None = None) -> float:
         # Every rank evaluates the same batches (FSDP2 forwards are collective); the result is identical.
         return evaluate_loss(self.strategy.eval_model(), self.data.val, self.cfg.train.micro_batch_size,
-                             self.device, self.strategy.autocast_precision, max_batches or self.cfg.train.eval_batches)
+                             self.device, self.strategy.autocast_precision, max_batches or self.cfg.train.eval_batches,
+                             self.loss)
 
     def log_initial_val_loss(self) -> None:
         """The validation loss before the first step (MLflow step 0), once per run: a resumed run keeps its own."""
@@ -118,10 +121,10 @@ class Trainer:
         for k in range(t.grad_accum_steps):
             # The same global order on every rank; each takes its slice of the micro-batch.
             idx = s.shard(self.order.next_indices(), t.micro_batch_size)
-            batch = self.data.train[idx].to(self.device, non_blocking=True)
+            batch = blocks_batch(self.data.train, idx, self.device)
             with s.micro_batch(last=k == t.grad_accum_steps - 1):
                 with autocast_context(self.device, s.autocast_precision):
-                    loss = self.model(input_ids=batch, labels=batch).loss
+                    loss = self.loss(self.model, batch)
                 loss_sum += s.backward(loss, t.grad_accum_steps)
         self.tokens_seen += t.micro_batch_size * t.grad_accum_steps * self.data.train.shape[1]
         grad_norm = s.optimizer_step(t.max_grad_norm)
@@ -237,16 +240,18 @@ class Trainer:
 
 @torch.no_grad()
 def evaluate_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int, device: torch.device,
-                  precision: str = "fp32", max_batches: int = 8) -> float:
-    """Mean token loss over the first `max_batches` validation batches (a fixed subset, so runs compare)."""
+                  precision: str = "fp32", max_batches: int = 8, loss_fn: LossPolicy | None = None) -> float:
+    """Mean loss per trained token over the first `max_batches` validation batches (a fixed subset, so runs
+    compare)."""
+    loss_fn = loss_fn or make_loss()
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for i in range(0, min(len(blocks), batch_size * max_batches), batch_size):
-        batch = blocks[i:i + batch_size].to(device)
+        batch: Batch = blocks_batch(blocks, slice(i, i + batch_size), device)
         with autocast_context(device, precision):
-            loss = model(input_ids=batch, labels=batch).loss
-        n = batch.numel()
+            loss = loss_fn(model, batch)
+        n = batch["input_ids"].numel()
         total += float(loss) * n
         count += n
     model.train(was_training)
