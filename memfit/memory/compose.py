@@ -18,10 +18,20 @@ class Stack:
     micro_batch_size: int
     grad_accum_steps: int
     lora: bool
+    # The memory techniques besides checkpointing (issue #14); the defaults are today's behaviour.
+    quantize: str = "none"  # lora.quantize: none | nf4 (the frozen base in 4 bits)
+    loss: str = "plain"  # memory.loss: plain | chunked
+    optimizer: str = "adamw"  # memory.optimizer: adamw | adamw-fused | adamw-8bit | adamw-cpu-offload
+    optimizer_in_backward: bool = False
 
     def label(self) -> str:
+        extras = [x for x in (self.quantize.upper() if self.quantize != "none" else "",
+                              "chunked loss" if self.loss == "chunked" else "",
+                              self.optimizer if self.optimizer != "adamw" else "",
+                              "step in backward" if self.optimizer_in_backward else "") if x]
         return (f"{self.precision}, micro-batch {self.micro_batch_size}x{self.grad_accum_steps}"
-                + (", LoRA" if self.lora else ""))
+                + ((", QLoRA" if self.quantize != "none" else ", LoRA") if self.lora else "")
+                + "".join(f", {x}" for x in extras if x != self.quantize.upper()))
 
 
 @dataclass
