@@ -6,7 +6,7 @@ from prefect import flow
 
 from memfit.config import MemfitConfig
 from memfit.errors import OnnxExportFailed
-from memfit.pipeline import absolute_uri
+from memfit.phases import absolute_uri
 from memfit.reports import RunSummary
 from memfit.tracking import scrub
 from tasks.export import export_task

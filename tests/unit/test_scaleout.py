@@ -336,7 +336,7 @@ def test_multinode_manifest_starts_nodes_1_to_n_minus_1(tmp_path):
 
 
 def test_launch_node_needs_more_than_one_process():
-    from memfit.pipeline import launch_node
+    from memfit.phases import launch_node
 
     with pytest.raises(ConfigError, match="launch-node is for multi-process runs"):
         launch_node(_cfg())
