@@ -216,6 +216,9 @@ def export_safetensors(
             again = AutoTokenizer.from_pretrained(tmp)
             if again(text)["input_ids"] != tokenizer(text)["input_ids"]:
                 raise ExportError(f"the tokenizer saved for {out_dir} encodes differently after reloading.")
+            # The chat template travels with the folder, so apply_chat_template and pipelines work on it.
+            if getattr(tokenizer, "chat_template", None) and again.chat_template != tokenizer.chat_template:
+                raise ExportError(f"the chat template did not survive saving the tokenizer for {out_dir}.")
 
         files = {
             p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
