@@ -99,6 +99,8 @@ def open_checkpoint_store(cfg: MemfitConfig) -> Any:
 def check_data_records(data: DataConfig) -> None:
     """Every record has its fields (named by file, record number and field) and a given chat template exists and
     can mark assistant turns; what needs the model's tokenizer (overlong, unknown roles) is checked when packing."""
+    if data.path is None and data.chat_template is None:
+        return  # the synthetic corpus: nothing to read (and no torch import to pay for)
     from memfit.data.formats import load_texts
     from memfit.data.templates import check_template_source
 

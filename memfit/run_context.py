@@ -161,7 +161,7 @@ def log_run_start(tracker: Any, cfg: MemfitConfig, plan: PlanReport, data: DataB
         tracker.log_dataset(f"{data.source} [{context}]", data.digest, cfg.data.path or data.source, context,
                             {"blocks": int(blocks.shape[0]), "seq_len": int(blocks.shape[1]),
                              "tokens": int(blocks.numel())})
-    tracker.log_metrics({"trained_token_share": data.trained_share()}, step=0)
+    tracker.log_metrics({"trained_tokens_share": data.trained_share()}, step=0)
     if plan.table_markdown:
         tracker.log_text(plan.table_markdown + "\n", "memory/plan_candidates.md")
     if probe_report is not None:

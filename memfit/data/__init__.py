@@ -109,7 +109,7 @@ def prepare_data(cfg: MemfitConfig, tokenizer: Any, texts: list[str] | None = No
     bundle = DataBundle(train=train, val=val, digest=data_digest(corpus), n_train_tokens=train.numel(),
                         n_val_tokens=val.numel(), source=source, train_fields=fields_train, val_fields=fields_val,
                         packing=data.packing, heldout=heldout, stats=stats)
-    bundle.stats["trained_token_share"] = round(bundle.trained_share(), 4)
+    bundle.stats["trained_tokens_share"] = round(bundle.trained_share(), 4)
     log.info("data: %d %s example(s), packing %s into %d training + %d validation rows of %d tokens; trained "
              "tokens (train_on %s): %.1f%% of the training rows' tokens", stats["examples"], stats["format"],
              data.packing, len(train), len(val), data.seq_len, data.train_on, 100 * bundle.trained_share())
