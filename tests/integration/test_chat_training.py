@@ -160,6 +160,10 @@ def test_chat_model_in_mlflow_answers_messages(chat_run):
     ids = AutoModelForCausalLM.from_pretrained(folder).eval().generate(**prompt, max_new_tokens=10, do_sample=False,
                                                                        pad_token_id=tok.eos_token_id)
     assert answer == tok.decode(ids[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True) and answer.strip()
+    # Plain prompts still work, alone (the signature's old shape) and beside conversations.
+    assert len(model.predict(pd.DataFrame({"prompt": ["what is"]}), params={"max_new_tokens": 3})) == 1
+    mixed = pd.DataFrame({"prompt": ["what is", None], "messages": [None, [{"role": "user", "content": "hi"}]]})
+    assert [type(a) for a in model.predict(mixed, params={"max_new_tokens": 3})] == [str, str]
 
 
 @pytest.mark.parametrize("records, needles", [
