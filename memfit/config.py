@@ -50,9 +50,35 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     path: str | None = Field(
-        None, description="A .txt/.jsonl file or a folder of them. Unset: a seeded synthetic corpus.")
-    text_field: str = Field("text", description="Field holding the text in .jsonl records.")
-    seq_len: int = Field(128, ge=8, le=131072, description="Tokens per packed training block.")
+        None, description="A .txt/.jsonl/.json/.parquet/.csv file, a folder of them, a folder written by datasets' "
+        "save_to_disk, or hf:NAME for a dataset loaded with datasets.load_dataset. Unset: a seeded synthetic corpus.")
+    format: Literal["auto", "text", "prompt_completion", "messages"] = Field(
+        "auto", description="Record layout. auto: messages when records have messages_field, prompt_completion "
+        "when they have prompt_field and completion_field, else text (the log says which and why).")
+    text_field: str = Field("text", description="Field holding the text in text-format records.")
+    prompt_field: str = Field("prompt", description="Field holding the prompt in prompt_completion records.")
+    completion_field: str = Field("completion", description="Field holding the answer in prompt_completion records.")
+    messages_field: str = Field(
+        "messages", description="Field holding the conversation (a list of {role, content}) in messages records.")
+    split: str = Field("train", description="Split to read from a hub dataset or a saved DatasetDict.")
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template file for messages data (replaces the tokenizer's own and travels "
+        "with the export), or a built-in name: chatml, llama-3. Unset: the tokenizer's (presets have one).")
+    train_on: Literal["all", "completion", "assistant"] = Field(
+        "all", description="Tokens the loss trains on: all; completion (the completion of prompt_completion "
+        "records, the last assistant turn of messages); assistant (every assistant turn, from the template's "
+        "generation markers). Labels are -100 elsewhere.")
+    packing: Literal["blocks", "padding_free", "none"] = Field(
+        "blocks", description="blocks: all examples concatenated and cut into seq_len blocks (attention crosses "
+        "examples); padding_free: whole examples packed up to seq_len tokens a row, position_ids restarting and "
+        "no attention across examples; none: one example a row, padded per batch with an attention mask.")
+    overlong: Literal["truncate", "drop", "error"] = Field(
+        "truncate", description="padding_free/none: what happens to an example longer than seq_len (counts "
+        "are logged).")
+    heldout_prompts: int = Field(
+        4, ge=0, le=64, description="prompt_completion/messages with padding_free/none: held-out validation "
+        "examples whose prompts phase 5 answers (template applied), logged beside their reference answers.")
+    seq_len: int = Field(128, ge=8, le=131072, description="Tokens per packed training block (row).")
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of blocks held out for validation.")
     synthetic_docs: int = Field(2000, ge=10, le=10_000_000, description="Synthetic corpus size (documents).")
     seed: int = Field(1234, description="Seed of the synthetic corpus and the train/validation split.")

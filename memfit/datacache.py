@@ -1,4 +1,4 @@
-"""Packed training data cached on disk, keyed on the data digest, the tokenizer and the packing settings."""
+"""Packed training data cached on disk, keyed on the data digest, the tokenizer, the template, masking and packing."""
 
 from __future__ import annotations
 
@@ -27,9 +27,15 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def cache_key(cfg: MemfitConfig, digest: str, tokenizer: Any) -> str:
-    # Only what changes the packed tensors: the texts, the tokenizer, and how blocks are cut and split.
-    parts = {"digest": digest, "tokenizer": tokenizer_fingerprint(tokenizer), "seq_len": cfg.data.seq_len,
-             "val_fraction": cfg.data.val_fraction, "seed": cfg.data.seed, "format": 1}
+    # Only what changes the packed tensors: the examples (their digest covers the format), the tokenizer and the
+    # chat template it renders with, which tokens are trained, and how rows are packed and split.
+    d = cfg.data
+    template = getattr(tokenizer, "chat_template", None)
+    parts = {"digest": digest, "tokenizer": tokenizer_fingerprint(tokenizer), "seq_len": d.seq_len,
+             "val_fraction": d.val_fraction, "seed": d.seed, "layout": 2, "data_format": d.format,
+             "fields": [d.text_field, d.prompt_field, d.completion_field, d.messages_field],
+             "template": hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest(),
+             "train_on": d.train_on, "packing": d.packing, "overlong": d.overlong, "heldout": d.heldout_prompts}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -41,19 +47,28 @@ def cached_data(cfg: MemfitConfig, texts: list[str], digest: str, tokenizer: Any
             tensors = load_file(str(path))
             meta = json.loads(path.with_suffix(".json").read_text())
             log.info("packed data from cache %s", path)
+            fields = {split: {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{split}.")}
+                      for split in ("train", "val")}
             return DataBundle(train=tensors["train"], val=tensors["val"], digest=meta["digest"],
                               n_train_tokens=tensors["train"].numel(), n_val_tokens=tensors["val"].numel(),
-                              source=meta["source"])
+                              source=meta["source"], train_fields=fields["train"], val_fields=fields["val"],
+                              packing=meta.get("packing", "blocks"), heldout=meta.get("heldout", []),
+                              stats=meta.get("stats", {}))
         except (OSError, ValueError, KeyError) as err:
             log.warning("ignoring unreadable data cache %s (%s)", path, err)
     bundle = prepare_data(cfg, tokenizer, texts)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Metadata first, tensors last under their final name: a reader never sees tensors without metadata.
-    path.with_suffix(".json").write_text(json.dumps({"digest": bundle.digest, "source": bundle.source}))
+    path.with_suffix(".json").write_text(json.dumps({"digest": bundle.digest, "source": bundle.source,
+                                                     "packing": bundle.packing, "heldout": bundle.heldout,
+                                                     "stats": bundle.stats}))
+    tensors = {"train": bundle.train, "val": bundle.val,
+               **{f"train.{k}": v for k, v in bundle.train_fields.items()},
+               **{f"val.{k}": v for k, v in bundle.val_fields.items()}}
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(fd)
     try:
-        save_file({"train": bundle.train.contiguous(), "val": bundle.val.contiguous()}, tmp)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

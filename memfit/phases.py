@@ -218,7 +218,7 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
 # -- phase 5 ------------------------------------------------------------------------------------------
 def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> ExportReport:
     """Load the final training checkpoint, evaluate, export SafeTensors + ONNX (verified), gate and register."""
-    from memfit.evaluation import generate_samples, log_generations, perplexity
+    from memfit.evaluation import generate_heldout, generate_samples, log_generations, perplexity
     from memfit.lora import apply_lora, is_lora_state, merge_lora
     from memfit.release.publish import release
     from memfit.training.loop import evaluate_loss
@@ -242,15 +242,18 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
     else:
         model.load_state_dict(final.model_state, strict=True)
     model.to(device=device, dtype=torch.float32)  # exports and evaluation are fp32
-    val_loss = evaluate_loss(model, data.val, cfg.train.micro_batch_size, device, "fp32", cfg.train.eval_batches)
+    val_loss = evaluate_loss(model, data.val, cfg.train.micro_batch_size, device, "fp32", cfg.train.eval_batches,
+                             fields=data.val_fields)
     ppl = perplexity(val_loss)
     samples = generate_samples(model, inputs.tokenizer, cfg.eval.prompts, cfg.eval.max_new_tokens, device)
+    heldout = generate_heldout(model, inputs.tokenizer, data.heldout, cfg.eval.max_new_tokens, device)
     tracker = make_tracker(cfg.tracking)
     run_id = tracker.start_run(cfg.run.name, run_id=train_report.mlflow_run_id or None)
     try:
         step = train_report.steps
         tracker.log_metrics({"val_loss": val_loss, "val_perplexity": ppl}, step=step)
         log_generations(tracker, samples, step)
+        log_generations(tracker, heldout, step, "eval/heldout_generations.json")
         meta = scrub_obj({"source_checkpoint": final.info.uri, "mlflow_run_id": run_id, "step": final.step,
                           "model_source": _source_name(cfg), "run_name": cfg.run.name})
         report = release(cfg, tracker, model, inputs.tokenizer, meta,

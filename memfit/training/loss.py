@@ -12,12 +12,25 @@ from torch import nn
 Batch = dict[str, torch.Tensor]
 
 
-def blocks_batch(blocks: torch.Tensor, idx: torch.Tensor | slice, device: torch.device | None = None) -> Batch:
-    """The batch of fixed token blocks `idx`: every token is learned (labels are the inputs, shifted in the loss)."""
-    ids = blocks[idx]
+def blocks_batch(blocks: torch.Tensor, idx: torch.Tensor | slice, device: torch.device | None = None,
+                 fields: dict[str, torch.Tensor] | None = None, attn_implementation: str = "sdpa") -> Batch:
+    """The batch of rows `idx`: input_ids, and labels (the inputs themselves for plain text blocks, else the data's
+    with -100 on untrained tokens); the packing mode's position_ids / attention_mask come along from `fields`."""
+    fields = fields or {}
+    rows = {"input_ids": blocks[idx], **{k: v[idx] for k, v in fields.items()}}
+    if "attention_mask" in rows:  # one padded example a row: cut the batch to its longest row (on the host)
+        longest = int(rows["attention_mask"].sum(-1).max())
+        rows = {k: v[:, :longest] for k, v in rows.items()}
     if device is not None:
-        ids = ids.to(device, non_blocking=True)
-    return {"input_ids": ids, "labels": ids}
+        rows = {k: v.to(device, non_blocking=True) for k, v in rows.items()}
+    rows.setdefault("labels", rows["input_ids"])
+    if "position_ids" in rows:  # padding-free packs: no attention across the examples of a row
+        from memfit.data.packing import packed_attention_mask
+
+        mask = packed_attention_mask(rows["position_ids"], attn_implementation, torch.float32)
+        if mask is not None:
+            rows["attention_mask"] = mask
+    return rows
 
 
 def trained_tokens(batch: Batch) -> int:
