@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from memfit.config import MemfitConfig
 from memfit.data import DataBundle, prepare_data
+from memfit.files import atomic_path, write_json_atomic
 
 log = logging.getLogger("memfit.data")
 
@@ -59,18 +58,12 @@ def cached_data(cfg: MemfitConfig, texts: list[str], digest: str, tokenizer: Any
     bundle = prepare_data(cfg, tokenizer, texts)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Metadata first, tensors last under their final name: a reader never sees tensors without metadata.
-    path.with_suffix(".json").write_text(json.dumps({"digest": bundle.digest, "source": bundle.source,
-                                                     "packing": bundle.packing, "heldout": bundle.heldout,
-                                                     "stats": bundle.stats}))
+    write_json_atomic(path.with_suffix(".json"), {"digest": bundle.digest, "source": bundle.source,
+                                                  "packing": bundle.packing, "heldout": bundle.heldout,
+                                                  "stats": bundle.stats})
     tensors = {"train": bundle.train, "val": bundle.val,
                **{f"train.{k}": v for k, v in bundle.train_fields.items()},
                **{f"val.{k}": v for k, v in bundle.val_fields.items()}}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     return bundle
