@@ -525,7 +525,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `memfit config --defaults` lists every key)"
-        elif "input" in e and e["type"] not in ("missing",) and tuple(e["loc"]) not in _NO_ECHO:
+        elif "input" in e and e["type"] not in ("missing",) and e["loc"] and tuple(e["loc"]) not in _NO_ECHO:
+            # (a check across sections, at the root, names its fields itself: its input is the whole tree)
             msg = f"{msg} (got {e['input']!r})"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)

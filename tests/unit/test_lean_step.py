@@ -163,4 +163,5 @@ def test_step_in_backward_refuses_what_needs_every_gradient_first(extra, named):
     with pytest.raises(ConfigError, match="memory.optimizer_in_backward") as err:
         config.from_dict(base)
     assert named in str(err.value) and len(str(err.value).splitlines()) == 2  # the header and one line
+    assert "got" not in str(err.value)  # not the whole config tree echoed back
     config.from_dict({"train": {"max_grad_norm": None}, "memory": {"optimizer_in_backward": True}})
