@@ -134,8 +134,9 @@ class MemoryConfig(_Section):
     optimizer_in_backward: bool | Literal["auto"] = Field(
         False, description="Step each parameter in backward as soon as its gradient is accumulated, and free "
         "that gradient (no full set of gradients alive). Needs train.grad_accum_steps 1, train.max_grad_norm "
-        "null (a global clip needs every gradient first) and no fp16-mixed; one process only. auto: off unless "
-        "the planner turns it on.")
+        "null (a global clip needs every gradient first) and no fp16-mixed; one process only. With "
+        "adamw-cpu-offload each gradient moves to host memory as it is accumulated and the CPU steps after "
+        "backward. auto: off unless the planner turns it on.")
 
     @field_validator("device")
     @classmethod
@@ -457,9 +458,7 @@ class MemfitConfig(_Section):
                else "train.precision fp16-mixed needs the loss scaler's inf check of every gradient first"
                if t.precision == "fp16-mixed"
                else "it runs in one process only (DDP, FSDP2 and DeepSpeed reduce gradients after backward)"
-               if d.world_size > 1 or d.strategy not in ("auto", "ddp")
-               else "memory.optimizer adamw-cpu-offload steps on the CPU after backward"
-               if self.memory.optimizer == "adamw-cpu-offload" else None)
+               if d.world_size > 1 or d.strategy not in ("auto", "ddp") else None)
         if why:
             raise ValueError(f"memory.optimizer_in_backward: true: {why}; change that or set it to false")
         return self

@@ -38,8 +38,12 @@ def resolve_optimizer(setting: str, device_type: str) -> str:
 
 
 def make_adamw(model: nn.Module, lr: float, weight_decay: float, foreach: bool | None = None,
-               kind: str = "adamw") -> torch.optim.Optimizer:
-    """The one place the AdamW implementation is chosen (`memory.optimizer`, resolved): same groups, same betas."""
+               kind: str = "adamw", offload_gradients: bool = False) -> torch.optim.Optimizer:
+    """The one place the AdamW implementation is chosen (`memory.optimizer`, resolved): same groups, same betas.
+
+    offload_gradients (adamw-cpu-offload with memory.optimizer_in_backward): each gradient goes to host memory as
+    soon as it is accumulated and is freed on the GPU (torchao's option); the step runs on the CPU after backward.
+    """
     groups = param_groups(model, weight_decay)
     common = {"lr": lr, "betas": ADAMW_BETAS, "eps": 1e-8}
     if kind == "adamw":
@@ -63,7 +67,8 @@ def make_adamw(model: nn.Module, lr: float, weight_decay: float, foreach: bool |
         except ImportError:
             raise ConfigError("memory.optimizer: adamw-cpu-offload needs torchao (pip install torchao), or choose "
                               "adamw-8bit") from None
-        return CPUOffloadOptimizer(groups, torch.optim.AdamW, fused=True, **common)
+        return CPUOffloadOptimizer(groups, torch.optim.AdamW, offload_gradients=offload_gradients, fused=True,
+                                   **common)
     raise ConfigError(f"memory.optimizer: unknown optimizer {kind!r}; choose auto, {', '.join(OPTIMIZERS)}")
 
 

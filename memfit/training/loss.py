@@ -75,7 +75,9 @@ def _refuse_wrapped(model: nn.Module) -> None:
 
 def _head_ce_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of one chunk of tokens: logits upcast to fp32 as transformers does."""
-    logits = head(hidden).float()
+    # A plain head runs functionally: the module called once per chunk would confuse per-module hooks (the
+    # memory tracker's); a wrapped head (adapters, quantized) keeps its own forward.
+    logits = (F.linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)).float()
     return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
 
 

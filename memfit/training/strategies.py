@@ -66,11 +66,15 @@ class SingleProcess:
             model.to(torch.bfloat16)
         self.model = self._wrap(model)
         self.optimizer_kind = self._optimizer_kind(m.optimizer)
-        self.optimizer = optim.make_adamw(self.model, t.lr, t.weight_decay, kind=self.optimizer_kind)
+        # memory.optimizer_in_backward (auto: off unless a plan turns it on); the config refused what it cannot do.
+        # With the CPU-offloaded AdamW torchao frees each gradient on the GPU instead (the step stays on the CPU).
+        in_backward = m.optimizer_in_backward is True
+        offloaded = self.optimizer_kind == "adamw-cpu-offload"
+        self.optimizer = optim.make_adamw(self.model, t.lr, t.weight_decay, kind=self.optimizer_kind,
+                                          offload_gradients=in_backward and offloaded)
         self.scheduler = optim.make_scheduler(self.optimizer, t)
         self.scaler = optim.make_scaler(self.device, t.precision)
-        # memory.optimizer_in_backward (auto: off unless a plan turns it on); the config refused what it cannot do.
-        self.in_backward = optim.StepInBackward(self.optimizer) if m.optimizer_in_backward is True else None
+        self.in_backward = optim.StepInBackward(self.optimizer) if in_backward and not offloaded else None
 
     def _optimizer_kind(self, setting: str) -> str:
         return optim.resolve_optimizer(setting, self.device.type)

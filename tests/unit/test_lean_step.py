@@ -154,7 +154,6 @@ def test_cpu_offload_optimizer_without_cuda_is_a_clear_error():
     ({"train": {"max_grad_norm": 1.0}}, "train.max_grad_norm"),
     ({"train": {"precision": "fp16-mixed"}}, "fp16-mixed"),
     ({"distributed": {"nproc_per_node": 2}}, "one process"),
-    ({"memory": {"optimizer": "adamw-cpu-offload"}}, "adamw-cpu-offload"),
 ])
 def test_step_in_backward_refuses_what_needs_every_gradient_first(extra, named):
     base = {"train": {"max_grad_norm": None}, "memory": {"optimizer_in_backward": True}}
