@@ -164,3 +164,30 @@ def test_step_in_backward_refuses_what_needs_every_gradient_first(extra, named):
     assert named in str(err.value) and len(str(err.value).splitlines()) == 2  # the header and one line
     assert "got" not in str(err.value)  # not the whole config tree echoed back
     config.from_dict({"train": {"max_grad_norm": None}, "memory": {"optimizer_in_backward": True}})
+
+
+# -- activation offload overlapped with compute (CUDA) ------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_blocks_give_the_gradients_of_full_checkpointing_with_less_on_the_gpu(monkeypatch):
+    from memfit.memory import activation_offload
+    from memfit.memory.policies import apply_policy, make_policy
+
+    def step(policy: str):
+        model = tiny("llama", layers=4).cuda()
+        apply_policy(model, make_policy(policy))
+        ids = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(2)).cuda()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        loss = PlainLoss()(model, {"input_ids": ids, "labels": ids})
+        torch.cuda.synchronize()
+        after_forward = torch.cuda.memory_allocated() - base
+        loss.backward()
+        return after_forward, {n: p.grad for n, p in model.named_parameters()}
+
+    monkeypatch.setattr(activation_offload, "MIN_OFFLOAD_BYTES", 0)  # the tiny model's block inputs are small
+    full_mem, full_grads = step("full")
+    off_mem, off_grads = step("offload")
+    assert off_mem < full_mem
+    assert all(torch.equal(off_grads[n], full_grads[n]) for n in full_grads)
+    assert activation_offload.offloader().blocks and all(activation_offload.offloader().blocks)
