@@ -144,6 +144,25 @@ class MemoryConfig(_Section):
     allow_smaller_micro_batch: bool = Field(
         True, description="Planner: may lower the micro-batch (raising the accumulation steps, same global "
         "batch) when that is the cheapest way to fit.")
+    loss: Literal["auto", "plain", "chunked"] = Field(
+        "auto", description="How the LM head and cross-entropy run. plain: full [batch, seq, vocab] logits (what "
+        "transformers does); chunked: head and loss per chunk of memory.loss_chunk_tokens tokens, recomputed in "
+        "backward, so no full-vocabulary logits are ever alive (on CUDA Liger's fused kernel when installed). "
+        "auto: chunked when the vocabulary has at least 32768 entries, else plain.")
+    loss_chunk_tokens: int = Field(
+        1024, ge=16, le=1_048_576, description="chunked loss: tokens per chunk of the LM head and cross-entropy.")
+    optimizer: Literal["auto", "adamw", "adamw-fused", "adamw-8bit", "adamw-cpu-offload"] = Field(
+        "auto", description="AdamW implementation. adamw: torch's default path (foreach on CUDA, with scratch "
+        "copies); adamw-fused: one fused kernel, no scratch; adamw-8bit: bitsandbytes' 8-bit blockwise state "
+        "(pip install bitsandbytes); adamw-cpu-offload (CUDA only): state and step on the CPU, torchao's "
+        "CPUOffloadOptimizer (pip install torchao). auto: adamw-fused on CUDA, adamw on CPU (the pinned golden "
+        "losses were made with it).")
+    optimizer_in_backward: bool | Literal["auto"] = Field(
+        False, description="Step each parameter in backward as soon as its gradient is accumulated, and free "
+        "that gradient (no full set of gradients alive). Needs train.grad_accum_steps 1, train.max_grad_norm "
+        "null (a global clip needs every gradient first) and no fp16-mixed; one process only. With "
+        "adamw-cpu-offload each gradient moves to host memory as it is accumulated and the CPU steps after "
+        "backward. auto: off unless the planner turns it on.")
 
     @field_validator("device")
     @classmethod
@@ -450,6 +469,26 @@ class MemfitConfig(_Section):
                              "change train.batch_size or train.grad_accum_steps")
         return self
 
+    @model_validator(mode="after")
+    def _memory_techniques_fit(self) -> MemfitConfig:
+        if self.memory.loss == "chunked" and self.distributed.world_size > 1:
+            raise ValueError("memory.loss: chunked runs in one process only (DDP/FSDP2 need the model's own "
+                             "forward); set memory.loss to plain or auto")
+        # A parameter stepped in backward cannot wait for the other gradients: refused where the step needs them.
+        if self.memory.optimizer_in_backward is not True:
+            return self
+        t, d = self.train, self.distributed
+        why = ("train.grad_accum_steps must be 1 (each micro-batch would step)" if t.grad_accum_steps > 1
+               else "train.max_grad_norm must be null (clipping needs the global norm of every gradient first)"
+               if t.max_grad_norm is not None
+               else "train.precision fp16-mixed needs the loss scaler's inf check of every gradient first"
+               if t.precision == "fp16-mixed"
+               else "it runs in one process only (DDP, FSDP2 and DeepSpeed reduce gradients after backward)"
+               if d.world_size > 1 or d.strategy not in ("auto", "ddp") else None)
+        if why:
+            raise ValueError(f"memory.optimizer_in_backward: true: {why}; change that or set it to false")
+        return self
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
@@ -511,7 +550,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `memfit config --defaults` lists every key)"
-        elif "input" in e and e["type"] not in ("missing",) and tuple(e["loc"]) not in _NO_ECHO:
+        elif "input" in e and e["type"] not in ("missing",) and e["loc"] and tuple(e["loc"]) not in _NO_ECHO:
+            # (a check across sections, at the root, names its fields itself: its input is the whole tree)
             msg = f"{msg} (got {e['input']!r})"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)

@@ -48,18 +48,24 @@ def resolve_budget(memory_cfg: Any, profile: DeviceProfile, device_report: dict[
     return None, "none (CPU without memory.budget_gb)"
 
 
+def techniques(cfg: Any) -> dict[str, Any]:
+    """The memory.* techniques a stack carries (auto loss and optimizer are resolved by the estimator)."""
+    m = cfg.memory
+    return {"loss": m.loss, "optimizer": m.optimizer, "optimizer_in_backward": m.optimizer_in_backward is True}
+
+
 def configured_stack(cfg: Any, lora: bool | None = None) -> Stack:
     t = cfg.train
     if lora is None:
         lora = cfg.lora.enabled is True
-    return Stack(t.precision, t.micro_batch_size, t.grad_accum_steps, lora)
+    return Stack(t.precision, t.micro_batch_size, t.grad_accum_steps, lora, **techniques(cfg))
 
 
 def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = None) -> Estimator:
     return Estimator(hf_config if hf_config is not None else model_config_for(cfg), cfg.data.seq_len, profile,
                      lora_cfg=cfg.lora, save_ops=cfg.memory.selective_save_ops, block_class=cfg.memory.block_class,
                      weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
-                     anchor_micro_batch=cfg.train.micro_batch_size)
+                     anchor_micro_batch=cfg.train.micro_batch_size, loss_chunk_tokens=cfg.memory.loss_chunk_tokens)
 
 
 def policy_kinds(cfg: Any, n_blocks: int, policy: str) -> tuple[str, ...]:
@@ -97,7 +103,7 @@ def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:
     tiers = []
     for lora in loras:
         for precision in precisions:
-            tiers.append([Stack(precision, m, t.batch_size // m, lora) for m in _micro_batches(cfg)])
+            tiers.append([Stack(precision, m, t.batch_size // m, lora, **techniques(cfg)) for m in _micro_batches(cfg)])
     return tiers
 
 

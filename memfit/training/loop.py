@@ -56,7 +56,7 @@ class Trainer:
         self.cfg, self.data, self.device = cfg, data, device
         self.tracker, self.checkpoints, self.identity = tracker, checkpoints, identity
         self.strategy = strategy or SingleProcess(device, cfg.train.precision)
-        self.strategy.prepare(model, cfg.train)
+        self.strategy.prepare(model, cfg.train, cfg.memory)
         s = self.strategy
         self.model, self.optimizer, self.scheduler, self.scaler = s.model, s.optimizer, s.scheduler, s.scaler
         t = cfg.train
