@@ -20,9 +20,8 @@ def warm_up(cfg: Any) -> list[str]:
     Each part only prepares: a failure is left for the phase that meets it, which reports it in its own words.
     """
     done = []
-    parts: list[tuple[str, Callable[[Any], bool]]] = [("model classes", _model_classes),
-                                                      ("MLflow store", _tracking_store),
-                                                      ("trainer", _trainer)]
+    parts: list[tuple[str, Callable[[Any], bool]]] = [("model classes", _model_classes), ("inputs", _inputs),
+                                                      ("MLflow store", _tracking_store), ("trainer", _trainer)]
     for name, part in parts:
         try:
             if part(cfg):
@@ -51,6 +50,20 @@ def _model_classes(cfg: Any) -> bool:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: F401
 
     importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    return True
+
+
+def _inputs(cfg: Any) -> bool:
+    """Phases 1 and 3's inputs: a preset model and tokenizer built, the data packed. Both are cached on disk by
+    content (written under a temporary name, then renamed), so the phases load what this wrote, as a second run
+    of the same config would. Presets only: a model given by path can be large, and is loaded by phase 1."""
+    if cfg.model.name_or_path:
+        return False
+    from memfit.datacache import cached_data
+    from memfit.run_context import load_inputs
+
+    inputs = load_inputs(cfg)
+    cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
     return True
 
 
