@@ -41,7 +41,9 @@ def cli_env(home: Path, code: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "MEMFIT_"))}
     env.update({"PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(home), "HF_HUB_OFFLINE": "1",
                 "DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "MLFLOW_DISABLE_TELEMETRY": "true", "COLUMNS": "120"})
+                "MLFLOW_DISABLE_TELEMETRY": "true",
+                # A busy shared machine can take over a minute to boot a server: a slow row, not a failed one.
+                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300"})
     return env
 
 

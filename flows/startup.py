@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from memfit.termination import Interrupted
+
 log = logging.getLogger("memfit.startup")
 _PRESET_TYPES = {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}
 
@@ -26,6 +28,8 @@ def warm_up(cfg: Any) -> list[str]:
         try:
             if part(cfg):
                 done.append(name)
+        except Interrupted:  # a stop signal (memfit/termination.py) ends the run here as anywhere
+            raise
         except Exception as err:  # noqa: BLE001 - see the docstring: the phase itself reports it
             log.debug("start-up warm-up of the %s skipped: %s", name, err)
     return done
