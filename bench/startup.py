@@ -103,6 +103,7 @@ class Run:
         finally:
             self.code = self.proc.wait()
             self.seconds["end"] = time.monotonic() - self.t0
+            self.load = os.getloadavg()[0]  # the 1-minute load average as the run ends
             os.close(master)
 
 
@@ -145,7 +146,7 @@ def main() -> None:
                         raise SystemExit(f"{name} ({code}): exit {run.code}, no first training step seen:\n{tail}")
                     label = name if len(codes) == 1 else f"{name} ({code.name})"
                     rows.setdefault(label, []).append(run.seconds)
-                    loads.append(os.getloadavg()[0])
+                    loads.append(run.load)
                     print(f"{label}: " + ", ".join(f"{k} {v:.1f}" for k, v in run.seconds.items()), flush=True)
     columns = ["server", "flow", "training", "first_step", "cpu_first_step", "end"]
     lines = [f"`memfit run configs/tiny.yaml --set train.max_steps={args.steps}` "
