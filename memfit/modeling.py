@@ -20,8 +20,13 @@ from memfit.preflight import resolve_model_source
 
 SPECIAL_TOKEN = "<|endoftext|>"
 PRESET_MARKER = "memfit-preset.json"
-# Bump when the way presets are built changes, so cached preset folders are rebuilt.
-PRESET_FORMAT = 1
+# Bump when the way presets are built changes, so cached preset folders are rebuilt (2: chat template).
+PRESET_FORMAT = 2
+# The presets' chat template (a tokenizer without one cannot answer /v1/chat/completions): role-tagged turns
+# separated by the one special token, and the assistant's turn opened when a reply is wanted.
+PRESET_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}" + SPECIAL_TOKEN + "{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> Any:
@@ -39,6 +44,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> Any:
     tok.train_from_iterator(texts, trainer, length=len(texts))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL_TOKEN, eos_token=SPECIAL_TOKEN,
                                    pad_token=SPECIAL_TOKEN)
+    fast.chat_template = PRESET_CHAT_TEMPLATE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
