@@ -27,8 +27,8 @@ def train_champion(root: Path, steps: int = 8, onnx: bool = True, **extra: Any) 
 
 
 def register_version(cfg: Any, export_hf: Path, alias: bool = True) -> str:
-    """Log `export_hf` as the model of a new MLflow run, register it as the next version, and (by default) move
-    the alias to it, as a retrain that passes the gate does; the version."""
+    """Log `export_hf` (a folder named hf, as exports are) as the model of a new MLflow run, register it as the
+    next version, and (by default) move the alias to it, as a retrain that passes the gate does; the version."""
     from mlflow import MlflowClient
 
     from memfit.registry import log_model, promote, register
@@ -53,6 +53,7 @@ def altered_export(src_hf: Path, dest: Path, scale: float) -> Path:
 
     from memfit.export import export_safetensors
 
+    dest.parent.mkdir(parents=True, exist_ok=True)
     model = AutoModelForCausalLM.from_pretrained(src_hf, local_files_only=True)
     with torch.no_grad():
         for p in model.parameters():

@@ -131,6 +131,7 @@ class RegistrySource:
                 local = Path(download_artifacts(artifact_uri=source, dst_path=str(tmp / "dl"),
                                                 tracking_uri=self.tracking_uri))
                 local.rename(tmp / "model")
+                shutil.rmtree(tmp / "dl", ignore_errors=True)
                 self._fetch_onnx(mv.run_id, tmp / "onnx")
                 if dest.exists():
                     shutil.rmtree(dest)
@@ -157,11 +158,12 @@ class RegistrySource:
         try:
             got = Path(download_artifacts(run_id=run_id, artifact_path="export/onnx", dst_path=str(dest.parent / "r"),
                                           tracking_uri=self.tracking_uri))
+            if (got / ONNX_NAME).is_file():
+                got.rename(dest)
         except Exception:  # noqa: BLE001 - a run exported without ONNX: the transformers backend serves it
             return
-        if (got / ONNX_NAME).is_file():
-            got.rename(dest)
-        shutil.rmtree(dest.parent / "r", ignore_errors=True)
+        finally:
+            shutil.rmtree(dest.parent / "r", ignore_errors=True)
 
 
 def resolve(model: str, tracking_uri: str, cache_dir: Path,
