@@ -191,6 +191,14 @@ def test_alias_move_is_served_without_restart_and_a_broken_version_keeps_the_old
     assert health["model"] == "tiny/v2" and f"version {v3}" in health["last_error"]
     assert "sha256" in health["last_error"] and "kept tiny/v2" in health["last_error"]
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).model == "tiny/v2"
+
+    # The retrain flow's step (flows/serve_model.py): it asks the server to poll now, and reports what it kept.
+    from flows.serve_model import refresh
+    from memfit.errors import ModelLoadError
+
+    assert refresh(server.url, "2", timeout_s=30)["model"] == "tiny/v2"
+    with pytest.raises(ModelLoadError, match=f"kept tiny/v2: version {v3} "):
+        refresh(server.url, v3, timeout_s=30)
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'memfit_model_swaps_total{result="ok"} 1.0' in metrics
     assert 'memfit_model_swaps_total{result="failed"} 1.0' in metrics
