@@ -353,8 +353,8 @@ class ServeConfig(_Section):
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
     backend: Literal["auto", "transformers", "onnx"] = Field(
         "auto", description="transformers: the SafeTensors export with generate (KV cache); onnx: the ONNX export "
-        "through onnxruntime (CPU; no KV cache in the graph); auto: transformers, measured as fast for one request "
-        "and faster for batches on CPU (docs/serving.md).")
+        "through onnxruntime (CPU; no KV cache in the graph); auto: onnx on CPU when the export has one (measured "
+        "faster, docs/serving.md), else transformers.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="transformers backend: auto is CUDA when "
                                                    "present, else CPU.")
     max_batch_size: int = Field(8, ge=1, le=256, description="Requests generated together in one batch.")

@@ -46,19 +46,27 @@ class ServedModel:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def choose_backend(setting: str, files: ModelFiles) -> str:
+def choose_backend(setting: str, device: str, files: ModelFiles) -> str:
     """Pure: serve.backend → the backend that serves `files`.
 
-    auto is transformers: on this project's CPU measurements (bench/serve_bench.py, docs/serving.md) generate with
-    its KV cache is as fast as onnxruntime for one request and about 3x faster for a batch of 8, because the ONNX
-    graph (input_ids → logits) has no cache and recomputes the whole sequence at every token.
+    auto is onnx on CPU when the export has an ONNX file: end to end (bench/serve_bench.py, docs/serving.md) the
+    tiny champion served 1.2-2x the tokens/s through onnxruntime at 1-8 clients; transformers otherwise (CUDA, or
+    no ONNX export).
     """
     if setting == "onnx":
         if files.onnx_path is None:
             raise ModelLoadError(f"serve.backend=onnx but {files.model_id} has no ONNX export (model.onnx); "
                                  "export it (memfit export ... --onnx) or use serve.backend=transformers")
         return "onnx"
-    return "transformers"
+    if setting == "transformers" or files.onnx_path is None:
+        return "transformers"
+    return "onnx" if device == "cpu" or (device == "auto" and not _cuda()) else "transformers"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def load(files: ModelFiles, serve_cfg: Any) -> ServedModel:
@@ -71,7 +79,7 @@ def load(files: ModelFiles, serve_cfg: Any) -> ServedModel:
         tok = AutoTokenizer.from_pretrained(files.hf_dir, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load the tokenizer of {files.model_id}: {str(err).splitlines()[0]}") from None
-    kind = choose_backend(serve_cfg.backend, files)
+    kind = choose_backend(serve_cfg.backend, serve_cfg.device, files)
     hf = TransformersBackend(files.hf_dir, tok, "cpu" if kind == "onnx" else serve_cfg.device)
     backend: Any = hf
     if kind == "onnx":

@@ -50,7 +50,8 @@ def build(cfg: MemfitConfig, model: str | None = None) -> Any:
 
     s = cfg.serve
     uri = model or default_model(cfg)
-    files, source = resolve(uri, cfg.tracking.resolved_uri(), Path(s.cache_dir), want_onnx=s.backend == "onnx")
+    want_onnx = s.backend == "onnx" or (s.backend == "auto" and s.device != "cuda")
+    files, source = resolve(uri, cfg.tracking.resolved_uri(), Path(s.cache_dir), want_onnx)
 
     def load(f: Any) -> Any:
         return served_model.load(f, s)

@@ -120,14 +120,15 @@ def _rehash(hf):
     (hf / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
-def test_onnx_backend_serves_the_same_greedy_text(champion, client):
+def test_both_backends_serve_the_same_greedy_text(champion, server, client):
     from memfit.server.run import start_in_thread
 
     cfg, report = champion
-    onnx_cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"backend": "onnx"})})
-    running = start_in_thread(onnx_cfg, str(report.onnx_path).rsplit("/", 1)[0], port=0)
+    assert httpx.get(f"{server.url}/health").json()["backend"] == "onnx"  # auto on CPU, the export has ONNX
+    hf_cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"backend": "transformers"})})
+    running = start_in_thread(hf_cfg, str(report.onnx_path).rsplit("/", 1)[0], port=0)
     try:
-        assert httpx.get(f"{running.url}/health").json()["backend"] == "onnx"
+        assert httpx.get(f"{running.url}/health").json()["backend"] == "transformers"
         body = {"model": "export", "prompt": "the cat", "max_tokens": 10, "temperature": 0}
         got = httpx.post(f"{running.url}/v1/completions", json=body).json()["choices"][0]["text"]
         want = client.completions.create(**{**body, "model": "tiny"}).choices[0].text

@@ -73,11 +73,12 @@ def test_choose_backend():
 
     with_onnx = ModelFiles(Path("hf"), Path("model.onnx"), "m", "m/v1", "1")
     without = ModelFiles(Path("hf"), None, "m", "m/v1", "1")
-    assert choose_backend("onnx", with_onnx) == "onnx"
-    assert choose_backend("auto", with_onnx) == "transformers"  # measured faster on CPU (docs/serving.md)
-    assert choose_backend("transformers", with_onnx) == "transformers"
+    assert choose_backend("auto", "cpu", with_onnx) == "onnx"  # measured faster on CPU (docs/serving.md)
+    assert choose_backend("auto", "cuda", with_onnx) == "transformers"
+    assert choose_backend("auto", "cpu", without) == "transformers"
+    assert choose_backend("transformers", "cpu", with_onnx) == "transformers"
     with pytest.raises(ModelLoadError, match="no ONNX export"):
-        choose_backend("onnx", without)
+        choose_backend("onnx", "cpu", without)
 
 
 # -- the engine, with a stand-in model: characters are tokens, and the "model" spells out a fixed reply ----------
