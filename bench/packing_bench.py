@@ -55,7 +55,7 @@ def _real_tokens(bundle) -> object:
 
 
 def _setup(args, data: Path, work: Path, packing: str):
-    from memfit import pipeline
+    from memfit import run_context
     from memfit.data import prepare_data
     from memfit.env import pin_threads, resolve_device
     from memfit.reports import PlanReport
@@ -65,14 +65,14 @@ def _setup(args, data: Path, work: Path, packing: str):
     cfg = _config(args, data, work, packing)
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
-    inputs = pipeline.load_inputs(cfg)
+    inputs = run_context.load_inputs(cfg)
     bundle = prepare_data(cfg, inputs.tokenizer, inputs.texts)
     plan = PlanReport(policy="none", every_k=2, precision="fp32", micro_batch_size=args.batch, grad_accum_steps=1,
                       reason="bench", description="none")
-    model = pipeline.build_training_model(cfg, inputs.model, plan)
+    model = run_context.build_training_model(cfg, inputs.model, plan)
     tracker = NullTracker()
     tracker.start_run("bench")
-    trainer = Trainer(cfg, model, bundle, device, tracker, None, pipeline.run_identity(cfg))
+    trainer = Trainer(cfg, model, bundle, device, tracker, None, run_context.run_identity(cfg))
     taken: list[int] = []
     draw = trainer.order.next_indices
     trainer.order.next_indices = lambda: taken.extend(draw()) or taken[-args.batch:]  # record what each step reads

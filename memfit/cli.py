@@ -193,6 +193,29 @@ def serve(config: ConfigArg = None, set_: SetOpt = None,
         serve_deployments(cfg, limit=limit)
     except MemfitError as err:
         _fail(err)
+@app.command("serve-model")
+def serve_model(
+    model: Annotated[str | None, typer.Argument(help="models:/NAME@ALIAS (followed as the alias moves), "
+                                                "models:/NAME/N, a training checkpoint, or an export folder. "
+                                                "Default: models:/<registry.model_name>@<registry.alias>.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (tracking.uri, registry, "
+                                                "serve.*).")] = None,
+    set_: SetOpt = None,
+    host: Annotated[str | None, typer.Option(help="Listen address (serve.host).")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port (serve.port).")] = None,
+) -> None:
+    """Serve a model behind an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    _environment()
+    try:
+        overrides = list(set_ or []) + [f"serve.{k}={v}" for k, v in (("host", host), ("port", port)) if v]
+        cfg = _load(config, overrides)
+        from memfit.server.run import serve as run_server
+
+        run_server(cfg, model)
+    except MemfitError as err:
+        _fail(err)
+
+
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="Target device profile: a100-40gb, a100-80gb, "
                                                 "h100-80gb, h200, l4, rtx-4090, t4, cpu.")]
 BudgetOpt = Annotated[float | None, typer.Option("--budget-gb", help="Memory budget in GB (overrides the device's).")]

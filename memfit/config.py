@@ -391,6 +391,32 @@ class DeployConfig(_Section):
         return v
 
 
+class ServeConfig(_Section):
+    """`memfit serve-model`: the OpenAI-compatible HTTP server in front of an export or the registry's champion."""
+
+    host: str = Field("127.0.0.1", min_length=1, description="Address to listen on (0.0.0.0 in a container).")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
+    backend: Literal["auto", "transformers", "onnx"] = Field(
+        "auto", description="transformers: the SafeTensors export with generate (KV cache); onnx: the ONNX export "
+        "through onnxruntime (CPU; no KV cache in the graph); auto: onnx on CPU when the export has one (measured "
+        "faster, docs/serving.md), else transformers.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="transformers backend: auto is CUDA when "
+                                                   "present, else CPU.")
+    max_batch_size: int = Field(8, ge=1, le=256, description="Requests generated together in one batch.")
+    batch_wait_ms: float = Field(5.0, ge=0.0, le=1000.0, description="How long the first request of a batch "
+                                 "waits for others to join it.")
+    max_queue: int = Field(64, ge=1, le=100_000, description="Requests waiting beyond the running batch; more are "
+                           "answered 503 at once.")
+    max_tokens: int = Field(512, ge=1, description="Largest max_tokens a request may ask for (also bounded by the "
+                            "model's context).")
+    default_max_tokens: int = Field(16, ge=1, description="max_tokens of a request that sets none.")
+    follow_alias: bool = Field(True, description="models:/NAME@ALIAS: poll the registry and swap in the version "
+                               "the alias moves to (after checking it).")
+    poll_seconds: float = Field(10.0, gt=0.0, le=86400.0, description="Seconds between registry polls.")
+    cache_dir: str = Field("runs/serve", description="Where registry versions and training-checkpoint exports are "
+                           "downloaded to before they are served.")
+
+
 class DistributedConfig(_Section):
     """Several processes (GPUs, nodes) training one model; 1 process in all is today's single-process path."""
 
@@ -458,6 +484,7 @@ class MemfitConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @model_validator(mode="after")
     def _micro_batch_splits(self) -> MemfitConfig:

@@ -40,6 +40,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> Any:
     tok.train_from_iterator(texts, trainer, length=len(texts))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL_TOKEN, eos_token=SPECIAL_TOKEN,
                                    pad_token=SPECIAL_TOKEN)
+    fast.chat_template = PRESET_CHAT_TEMPLATE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))

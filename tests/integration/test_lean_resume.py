@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memfit import pipeline
+from memfit import phases
 from memfit.reports import PlanReport
 from memfit.tracking.null import NullTracker
 
@@ -32,7 +32,7 @@ def _train(cfg):
     plan = PlanReport(policy="none", every_k=2, precision=cfg.train.precision,
                       micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
                       reason="test", description="none")
-    return pipeline.train(cfg, plan, pipeline.recover(cfg), None)
+    return phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), None)
 
 
 def _final(root: Path) -> dict[str, torch.Tensor]:
