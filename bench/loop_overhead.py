@@ -311,7 +311,10 @@ def main() -> None:
             for mode in order:
                 results[mode].append(one(mode, args.steps, args.warmup))
             print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(
-                f"{m} {1000 * results[m][-1]['seconds'] / args.steps:.1f} ms" for m in modes), flush=True)
+                f"{m} {1000 * results[m][-1]['seconds'] / args.steps:.1f} ms "
+                f"(CPU {1000 * results[m][-1]['cpu_seconds'] / args.steps:.1f})" for m in modes), flush=True)
+            OUT.mkdir(exist_ok=True)  # kept round by round: a long run that fails late still leaves its rounds
+            (OUT / "loop_overhead_rounds.json").write_text(json.dumps(results))
     print_table(args, loops, variants, results)
 
 
