@@ -131,6 +131,7 @@ class MemoryMonitor:
         self._process = psutil.Process()
         self._rss_start = self._process.memory_info().rss
         self._cuda_peak = 0
+        self._counted_peak: int | None = None  # CPU: the tensor peak of the newest counted step
 
     @classmethod
     def for_run(cls, cfg: Any, device: torch.device, tracker: Any, model: nn.Module,
@@ -150,13 +151,19 @@ class MemoryMonitor:
     def sampled(self, step: int) -> bool:
         return step == 1 or step % self.cfg.every_steps == 0
 
+    def counted(self, step: int) -> bool:
+        """CPU: whether live tensor bytes are counted during this step (a TorchDispatchMode: the step is slower).
+        Steps 1 and 2 (the first with optimizer state) and every monitor.count_every_steps: with the same shapes
+        every step reaches the same peak, so the readings in between report the last counted one."""
+        return step <= 2 or step % self.cfg.count_every_steps == 0
+
     @contextlib.contextmanager
     def watch(self, step: int) -> Iterator[None]:
         """Wrap one optimizer step (`step` is its number once done): measure it, warn or request a stop."""
         if not self.cfg.enabled:
             yield
             return
-        live = self._tensor_counter() if self.sampled(step) else None
+        live = self._tensor_counter() if self.counted(step) else None
         try:
             if live is not None:
                 with live:
@@ -175,6 +182,8 @@ class MemoryMonitor:
             self._cuda_peak = max(self._cuda_peak, self._cuda_peak_figure())
             if not self.sampled(step) and self._needs_action(self._cuda_peak):
                 self._record(step, None)
+        if live is not None:
+            self._counted_peak = live.peak  # the next reading reports it (steps between readings act as before)
         if self.sampled(step):
             self._record(step, live)
 
@@ -215,15 +224,27 @@ class MemoryMonitor:
                                  allocated_bytes=int(torch.cuda.memory_allocated(self.device)),
                                  reserved_bytes=int(torch.cuda.memory_reserved(self.device)), rss_bytes=rss,
                                  budget_bytes=self.budget.bytes, device_used_bytes=_nvml_used(self.device))
-        if live is not None and self.budget.measure == "tensor_peak":
-            peak = live.peak
+        counting = self.device.type != "cuda" and self.cfg.track_tensors
+        if live is not None:
+            allocated = live.current
+        elif counting:
+            allocated = self._held_bytes()  # what lives between steps, without counting a step
+        else:
+            allocated = rss - self._rss_start
+        if self.budget.measure == "tensor_peak" and counting:
+            peak = live.peak if live is not None else max(self._counted_peak or 0, allocated)
         elif self.budget.measure == "rss_delta":
             peak = rss - self._rss_start
         else:
             peak = rss
         return MemoryReading(step=step, peak_bytes=int(peak), measure=self.budget.measure,
-                             allocated_bytes=int(live.current if live is not None else rss - self._rss_start),
-                             reserved_bytes=rss, rss_bytes=rss, budget_bytes=self.budget.bytes)
+                             allocated_bytes=int(allocated), reserved_bytes=rss, rss_bytes=rss,
+                             budget_bytes=self.budget.bytes)
+
+    def _held_bytes(self) -> int:
+        """Bytes of the parameters, buffers, gradients and optimizer state (each storage once), as counted."""
+        live = self._tensor_counter()
+        return live.current if live is not None else 0
 
     def _record(self, step: int, live: LiveBytes | None) -> None:
         r = self.read(step, live)

@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from memfit.checkpoints.writer import lower_thread_priority
 from memfit.errors import TrackingError
 from memfit.tracking.base import redact, scrub, scrub_obj
 
@@ -103,8 +104,10 @@ class MLflowTracker:
         self._system_metrics = system_metrics
         self._interval = system_metrics_interval_s
         self._monitor: Any = None
-        # One writer thread keeps batches in order and the training thread free of store latency.
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-mlflow")
+        # One writer thread keeps batches in order and the training thread free of store latency; nicer than
+        # the training threads, so its SQLite/HTTP work takes no core from the step.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-mlflow",
+                                          initializer=lower_thread_priority)
         self._inflight: list[Future[None]] = []
         self._lock = threading.Lock()
         self.caller_seconds = 0.0  # time log_metrics spent on the caller's (training) thread
@@ -231,6 +234,13 @@ class MLflowTracker:
                 self.client.log_batch(run_id, metrics=metrics[i:i + 1000])
         finally:
             self.writer_seconds += time.perf_counter() - t0
+
+    def flush_async(self) -> Future[None] | None:
+        """Hand everything buffered to the writer thread without waiting; the returned Future is done once it,
+        and every batch before it (one thread, in order), is written. Failures surface at the next `flush`."""
+        self._submit()
+        with self._lock:
+            return self._inflight[-1] if self._inflight else None
 
     def flush(self) -> None:
         """Write everything buffered and wait for it; TrackingError if a batch could not be written."""

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,44 @@ def _test_fault(rank: int, step: int) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
         elif kind == "crash":
             raise RuntimeError(f"injected crash on rank {rank} at step {step} (MEMFIT_TEST_RANK_FAULT)")
+
+
+class StepLog:
+    """The metrics of the steps that log, with their loss and gradient norm read to the host without making a
+    step wait for the device: on CUDA a non-blocking copy and an event per logged step, turned into floats
+    (and logged) once the copy has landed; elsewhere at once. No step reads a device value it does not log."""
+
+    MAX_PENDING = 8  # logged steps whose values may still be in flight; past that the oldest is waited for
+
+    def __init__(self, tracker: Tracker, device: torch.device, world_size: int) -> None:
+        self.tracker, self.device, self.world_size = tracker, device, world_size
+        self._pending: deque[tuple[int, Any, Any, dict[str, Any]]] = deque()
+        self.last_loss: float | None = None  # the newest loss read (the progress bar's)
+
+    def add(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor | float, **metrics: Any) -> None:
+        """Step `step`'s loss (summed over ranks) and norm; `metrics`: step_metrics' other arguments."""
+        if self.device.type == "cuda":
+            norm = torch.as_tensor(grad_norm, dtype=torch.float32, device=loss_sum.device)
+            values = torch.stack([loss_sum.float(), norm.float()]).to("cpu", non_blocking=True)  # pinned
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            values, event = (loss_sum, grad_norm), None
+        self._pending.append((step, values, event, metrics))
+        self.drain(keep=self.MAX_PENDING)
+
+    def drain(self, keep: int = 0) -> None:
+        """Log every step whose values have landed; wait for the oldest while more than `keep` are left."""
+        while self._pending:
+            step, values, event, metrics = self._pending[0]
+            if event is not None and not event.query():
+                if len(self._pending) <= keep:
+                    return
+                event.synchronize()
+            self._pending.popleft()
+            loss, norm = (float(v) for v in values)
+            self.last_loss = loss / self.world_size
+            self.tracker.log_metrics(step_metrics(self.last_loss, grad_norm=norm, **metrics), step=step)
 
 
 class Trainer:
@@ -116,7 +155,7 @@ class Trainer:
                                       "val_perplexity": math.exp(min(self.initial_val_loss, 50))}, step=0)
 
     # -- training -----------------------------------------------------------------------------------------
-    def optimizer_step(self) -> tuple[torch.Tensor, float]:
+    def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor | float]:
         """One optimizer step over grad_accum_steps micro-batches; (this rank's loss, global grad norm)."""
         t, s = self.cfg.train, self.strategy
         loss_sum = torch.zeros((), device=self.device)
@@ -168,7 +207,7 @@ class Trainer:
         start = self.step
         self.log_initial_val_loss()
         tokens_per_step = t.batch_size * self.data.train.shape[1]
-        last_loss: float | None = None
+        steplog, agreed = StepLog(self.tracker, self.device, s.world_size), None
         peak_mem, run_tokens, preempted, memory_stop = 0, 0, False, False
         run_t0 = time.perf_counter()
         bar = tqdm(total=t.max_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
@@ -181,18 +220,22 @@ class Trainer:
                     loss_sum, grad_norm = self.optimizer_step()
                 _test_fault(s.rank, self.step)
                 agreed = self._agree(loss_sum, stop, save_request)
-                last_loss, dt = agreed.loss, time.perf_counter() - t0
+                dt = time.perf_counter() - t0
                 run_tokens += tokens_per_step
                 if self.step % t.log_every_steps == 0 or self.step == t.max_steps:
                     memory = memory_now(self.device)
                     peak_mem = max(peak_mem, memory[0])
-                    self.tracker.log_metrics(step_metrics(last_loss, self.scheduler.get_last_lr()[0], grad_norm,
-                                                          tokens_per_step, dt, memory), step=self.step)
+                    steplog.add(self.step, agreed.loss, grad_norm, lr=self.scheduler.get_last_lr()[0],
+                                tokens=tokens_per_step, seconds=dt, memory=memory)
                 bar.update(1)
-                bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", **self.monitor.postfix)
+                # The newest loss read, not this step's: reading it here would make every step wait.
+                loss_shown = {} if steplog.last_loss is None else {"loss": f"{steplog.last_loss:.3f}"}
+                bar.set_postfix(**loss_shown, tok_s=f"{tokens_per_step / dt:,.0f}", **self.monitor.postfix)
                 if s.world_size > 1 and s.is_main and (self.step % max(1, t.max_steps // 10) == 0
                                                        or self.step == t.max_steps):
-                    log.info("step %d/%d: loss %.4f, %.0f tokens/s on %d ranks", self.step, t.max_steps, last_loss,
+                    steplog.drain()
+                    log.info("step %d/%d: loss %.4f, %.0f tokens/s on %d ranks", self.step, t.max_steps,
+                             steplog.last_loss if steplog.last_loss is not None else math.nan,
                              tokens_per_step / dt, s.world_size)
                 # A background save that failed fails the run here, not `every_steps` later.
                 self.checkpoints.raise_if_failed()
@@ -210,10 +253,15 @@ class Trainer:
                         log.info("rank %d: save requested at step %d (spot rebalance recommendation)", s.rank,
                                  self.step)
                     # Metrics up to a checkpoint are durable: after a SIGKILL the resumed run logs from there.
-                    self.tracker.flush()
+                    # The tracker writes them in its own thread; the checkpoint's commit waits for that write.
+                    steplog.drain()
+                    self.checkpoints.commit_after(self._flush_metrics())
                     self.save(blocking=False, force=agreed.save, busy=agreed.busy)  # written off the training thread
         finally:
             bar.close()
+            steplog.drain()
+        # The last step's loss, logged or not (a stop may end on a step that does not log): one read per run.
+        last_loss = float(agreed.loss) / s.world_size if agreed is not None else None
         self._save_last(stop if preempted else None)
         return TrainReport(
             mlflow_run_id=self.tracker.run_id or "", start_step=start, steps=self.step,
@@ -223,6 +271,14 @@ class Trainer:
             preempt_reason=getattr(stop, "reason", None) if preempted else None,
             checkpoint_stats=self.checkpoints.stats.to_dict(), memory_limit=self._memory_message() if memory_stop
             else None)
+
+    def _flush_metrics(self) -> Any:
+        """Hand the buffered metrics to the tracker's writer without waiting (a Future), where it has one."""
+        flush_async = getattr(self.tracker, "flush_async", None)  # the null tracker has nothing to write
+        if flush_async is None:
+            self.tracker.flush()
+            return None
+        return flush_async()
 
     def _save_last(self, stop: threading.Event | None) -> None:
         """The final (or preemption) save is synchronous: the process may end right after it. On preemption its

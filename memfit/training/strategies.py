@@ -33,7 +33,7 @@ RNG = tuple[dict[str, Any], dict[str, Any]]  # (JSON-able python/numpy states, t
 class Agreement:
     """What every rank agrees on after a step: the mean loss, and whether any rank must stop or save."""
 
-    loss: float
+    loss: torch.Tensor  # this step's loss summed over ranks, still on the device: read only when logged
     stop: bool = False  # a stop signal or spot notice: save and end (preempted)
     save: bool = False  # a save request (spot rebalance): save and go on
     memory: bool = False  # the memory monitor's hard limit: save and end (MemoryLimitError)
@@ -109,17 +109,18 @@ class SingleProcess:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss.detach().float()
 
-    def optimizer_step(self, max_grad_norm: float | None) -> float:
-        """Clip, step, advance the schedule; the global gradient norm before clipping."""
+    def optimizer_step(self, max_grad_norm: float | None) -> torch.Tensor | float:
+        """Clip, step, advance the schedule; the global gradient norm before clipping (a device tensor: the
+        loop reads it only when it logs, so a step waits for no device)."""
         if self.in_backward is not None:  # every parameter stepped in backward already, its gradient freed
             self.scheduler.step()
-            return float(self.in_backward.finish())
+            return self.in_backward.finish()
         norm = optim.apply_gradients(self.model, self.optimizer, self.scheduler, self.scaler, max_grad_norm)
         full = getattr(norm, "full_tensor", None)  # FSDP2: a DTensor whose full value is the global norm
-        return float(full() if callable(full) else norm)
+        return full() if callable(full) else norm
 
     def agree(self, loss_sum: torch.Tensor, stop: bool, save: bool, memory: bool, busy: bool) -> Agreement:
-        return Agreement(float(loss_sum), stop, save, memory, busy)
+        return Agreement(loss_sum, stop, save, memory, busy)
 
     def settle(self, agreed: Agreement, stop: Any, save_request: Any) -> Agreement:
         """The flags as the loop acts on them. One process needs no agreement: a stop or save request that
@@ -203,7 +204,8 @@ class TorchDistributed(SingleProcess):
         dev = loss_sum.device
         flags = torch.stack([loss_sum, *(torch.tensor(float(f), device=dev) for f in (stop, save, memory, busy))])
         dist.all_reduce(flags)
-        return Agreement(float(flags[0]) / self.world_size, *(float(f) > 0 for f in flags[1:]))
+        # The flags are read every step (every rank must act alike); the loss sum stays on the device.
+        return Agreement(flags[0], *(f > 0 for f in flags[1:].tolist()))
 
     def settle(self, agreed: Agreement, stop: Any, save_request: Any) -> Agreement:
         return agreed  # every rank acts on the same flags, or the collective saves would not match

@@ -212,3 +212,25 @@ def test_scan_shows_incomplete_folders_apart(manager):
     entries = manager.scan()
     assert [(e.step, e.status) for e in entries] == [(2, "complete"), (4, "incomplete")]
     assert [i.step for i in manager.list()] == [2]
+
+
+def test_a_save_commits_only_after_the_metrics_it_follows_are_written(manager):
+    from concurrent.futures import Future
+
+    metrics_written: Future[None] = Future()
+    manager.commit_after(metrics_written)
+    fut = manager.save(_snapshot(5), blocking=False)
+    time.sleep(0.5)  # the writer has staged the files by now; it holds the commit for the metrics
+    assert not fut.done() and manager.list() == []
+    metrics_written.set_result(None)
+    assert fut.result(timeout=30).step == 5 and manager.list()[-1].step == 5
+
+
+def test_writer_threads_run_nicer_than_the_training_thread(manager):
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread niceness is Linux's")
+    nice = manager._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert nice > os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) or nice == 19

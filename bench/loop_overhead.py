@@ -1,0 +1,389 @@
+"""What memfit's training loop costs beside a bare PyTorch loop and the HF Trainer, and where its time goes.
+
+    PYTHONPATH=. python bench/loop_overhead.py [--rounds 5] [--steps 60] [--warmup 10] [--optimizer fused]
+
+Three loops train the same tiny model (configs/tiny.yaml's preset and data), seed, AdamW (torch.optim.AdamW
+over memfit's two parameter groups, betas 0.9/0.95, fused or foreach: --optimizer), schedule, clipping and
+2 torch threads, in two variants: `none` (no tracking, no training checkpoints) and `full` (MLflow on a SQLite
+store under a temporary folder, a training checkpoint every 10 steps to a local folder). memfit is
+memfit.training.loop.Trainer with its memory monitor as configured by default; bare is the loop a person
+writes (mlflow.log_metrics(synchronous=False) per step, torch.save every 10 steps); HF is transformers.Trainer
+(report_to mlflow, save_steps 10). Each (loop, variant) trains in its own process; a round runs all six in a
+rotated order; a process trains --warmup steps untimed, then --steps timed. Ratios are per round, reported as
+the median over rounds. Prints a table (also bench/out/loop_overhead.md) and, with --plot, a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = Path(__file__).resolve().parent / "out"
+LOOPS = ("bare", "memfit", "hf")
+VARIANTS = ("none", "full")
+SAVE_EVERY = 10
+THREADS = 2
+
+
+# -- one process: one loop, one variant ------------------------------------------------------------------
+def _config(root: Path, variant: str, steps: int):
+    from memfit import config
+
+    run = root / f"run-{time.monotonic_ns()}"
+    return config.load(REPO / "configs" / "tiny.yaml", [
+        f"run.work_dir={root / 'work'}", f"checkpoint.uri={run / 'checkpoints'}", f"export.dir={run / 'export'}",
+        f"tracking.uri=sqlite:///{root / 'mlflow.db'}", "tracking.experiment=loop-overhead",
+        f"tracking.backend={'mlflow' if variant == 'full' else 'null'}", "tracking.system_metrics=false",
+        f"train.max_steps={steps}", f"train.num_threads={THREADS}",
+        f"checkpoint.every_steps={SAVE_EVERY if variant == 'full' else 10**6}"])
+
+
+def _adamw(model, cfg, fused: bool):
+    import torch
+
+    from memfit.optim import ADAMW_BETAS, param_groups
+
+    return torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr, betas=ADAMW_BETAS,
+                             fused=fused or None)
+
+
+def _inputs(cfg):
+    import torch
+
+    from memfit.datacache import cached_data
+    from memfit.run_context import load_inputs
+
+    torch.set_num_threads(THREADS)
+    inputs = load_inputs(cfg)
+    return inputs.model, cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
+
+
+def _metrics(loss: float, lr: float, norm: float, tokens: int, dt: float) -> dict[str, float]:
+    import psutil
+
+    rss = psutil.Process().memory_info().rss  # what memfit logs on CPU each step
+    return {"loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt, "step_time_s": dt,
+            "memory_peak_bytes": rss, "memory_current_bytes": rss}
+
+
+def run_bare(cfg, variant: str, fused: bool) -> dict:
+    import mlflow
+    import torch
+
+    from memfit.data import BatchOrder
+    from memfit.optim import make_scheduler
+    from memfit.schedule import seed_everything
+
+    model, data = _inputs(cfg)
+    t = cfg.train
+    seed_everything(t.seed)
+    opt = _adamw(model, cfg, fused)
+    sched = make_scheduler(opt, t)
+    order = BatchOrder(len(data.train), t.micro_batch_size, t.seed)
+    full = variant == "full"
+    if full:
+        mlflow.set_tracking_uri(cfg.tracking.uri)
+        mlflow.set_experiment(cfg.tracking.experiment)
+        mlflow.start_run(run_name="bare")
+    ckpt = Path(cfg.checkpoint.uri)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    stamps: list[float] = []
+    cpu: list[float] = []  # process CPU time at the same moments (less sensitive to a busy machine)
+    tokens = t.batch_size * data.train.shape[1]
+    model.train()
+    for step in range(1, t.max_steps + 1):
+        t0 = time.perf_counter()
+        total = 0.0
+        for _ in range(t.grad_accum_steps):
+            ids = data.train[order.next_indices()]
+            loss = model(input_ids=ids, labels=ids).loss / t.grad_accum_steps
+            loss.backward()
+            total += float(loss)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if full:
+            mlflow.log_metrics(_metrics(total, sched.get_last_lr()[0], float(norm), tokens,
+                                        time.perf_counter() - t0), step=step, synchronous=False)
+            if step % SAVE_EVERY == 0:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict(), "step": step}, ckpt / "last.pt.tmp")
+                os.replace(ckpt / "last.pt.tmp", ckpt / "last.pt")
+        stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
+    if full:
+        mlflow.end_run()
+    return {"stamps": stamps, "cpu": cpu}
+
+
+def run_hf(cfg, variant: str, fused: bool) -> dict:
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from memfit.optim import make_scheduler
+
+    model, data = _inputs(cfg)
+    t = cfg.train
+    full = variant == "full"
+    if full:
+        os.environ.update(MLFLOW_TRACKING_URI=cfg.tracking.uri, MLFLOW_EXPERIMENT_NAME=cfg.tracking.experiment)
+    stamps: list[float] = []
+    cpu: list[float] = []  # process CPU time at the same moments (less sensitive to a busy machine)
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
+
+    class Blocks(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(data.train)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": data.train[i], "labels": data.train[i]}
+
+    opt = _adamw(model, cfg, fused)
+    args = TrainingArguments(
+        output_dir=str(Path(cfg.checkpoint.uri)), per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.grad_accum_steps, max_steps=t.max_steps, max_grad_norm=t.max_grad_norm,
+        logging_steps=1, save_strategy="steps" if full else "no", save_steps=SAVE_EVERY, save_total_limit=2,
+        report_to=["mlflow"] if full else [], seed=t.seed, use_cpu=True, disable_tqdm=True,
+        dataloader_num_workers=0, run_name="hf")
+    trainer = Trainer(model=model, args=args, train_dataset=Blocks(), optimizers=(opt, make_scheduler(opt, t)),
+                      callbacks=[Stamp()])
+    trainer.train()
+    return {"stamps": stamps, "cpu": cpu}
+
+
+def run_memfit(cfg, variant: str, fused: bool) -> dict:
+    """memfit's Trainer, with timers around the parts of its loop (the breakdown); the loop itself as shipped."""
+    import torch
+
+    from memfit.memory.monitor import MemoryMonitor
+    from memfit.memory.timeline import LiveBytes
+    from memfit.run_context import checkpoint_manager, run_identity
+    from memfit.tracking import make_tracker
+    from memfit.training import loop, strategies
+
+    model, data = _inputs(cfg)
+    strategies.optim.make_adamw = lambda m, lr, wd, foreach=None: _adamw(m, cfg, fused)  # the bench's AdamW
+    spent = {"step": [], "monitor": 0.0, "save": 0.0, "flush": 0.0}
+    stamps: list[float] = []
+    cpu: list[float] = []  # process CPU time at the same moments (less sensitive to a busy machine)
+    counted: list[int] = []
+    saved_at: list[int] = []
+
+    class Timed(loop.Trainer):
+        def optimizer_step(self):
+            t0 = time.perf_counter()
+            out = super().optimizer_step()
+            spent["step"].append(time.perf_counter() - t0)
+            stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
+            return out
+
+        def save(self, blocking, force=False, deadline=None, busy=None):
+            t0 = time.perf_counter()
+            super().save(blocking, force, deadline, busy)
+            if not blocking:
+                spent["save"] += time.perf_counter() - t0
+                saved_at.append(self.step)
+
+    def timer(fn, key):
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return wrapped
+
+    MemoryMonitor._record = timer(MemoryMonitor._record, "monitor")
+    enter = LiveBytes.__enter__
+
+    def counting(self):  # a step run under the monitor's dispatch mode (live tensor bytes counted)
+        counted.append(len(spent["step"]) + 1)
+        return enter(self)
+    LiveBytes.__enter__ = counting
+    tracker = make_tracker(cfg.tracking)
+    tracker.flush = timer(tracker.flush, "flush")
+    tracker.start_run("memfit")
+    manager = checkpoint_manager(cfg)
+    trainer = Timed(cfg, model, data, torch.device("cpu"), tracker, manager, run_identity(cfg))
+    try:
+        trainer.fit()
+    finally:
+        manager.close()
+        tracker.end_run()
+    return {"stamps": stamps, "cpu": cpu, "step_s": spent["step"], "monitor_read_s": spent["monitor"],
+            "save_call_s": spent["save"], "flush_s": spent["flush"], "counted": counted, "saved_at": saved_at,
+            "log_caller_s": getattr(tracker, "caller_seconds", 0.0),
+            "snapshot_s": manager.stats.total_snapshot_s, "stall_s": manager.stats.total_stall_s}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    loop_name, variant = args.worker.split(":")
+    cfg = _config(Path(args.root), variant, args.warmup + args.steps)
+    fused = args.optimizer == "fused"
+    out = {"bare": run_bare, "memfit": run_memfit, "before": run_memfit, "hf": run_hf}[loop_name](cfg, variant, fused)
+    stamps = out["stamps"][-(args.steps + 1):]  # the timed steps: after the warm-up ones
+    cpu = out["cpu"][-(args.steps + 1):]
+    out["seconds"] = stamps[-1] - stamps[0]
+    out["cpu_seconds"] = cpu[-1] - cpu[0]
+    out["steps"] = len(stamps) - 1
+    Path(args.json).write_text(json.dumps(out))
+
+
+# -- the driver: rounds of alternating processes, the table ------------------------------------------
+def breakdown(r: dict, warmup: int) -> dict[str, float]:
+    """memfit-full's time per timed step, by part (seconds); the parts add up to the measured period."""
+    steps = r["step_s"]
+    timed = range(len(steps) - r["steps"], len(steps))  # indices of the timed steps (step number = index + 1)
+    counted = set(r["counted"])
+    after_save = {s + k for s in r["saved_at"] for k in (1, 2)}
+    clean = [steps[i] for i in timed if i + 1 not in counted and i + 1 not in after_save]
+    base = statistics.median(clean)
+    n = len(timed)
+    monitor_step = sum(steps[i] - base for i in timed if i + 1 in counted)
+    interference = sum(steps[i] - base for i in timed if i + 1 in after_save and i + 1 not in counted)
+    # Whole-run totals, scaled to the timed share of the steps.
+    share = n / len(steps)
+    parts = {"step (median, clean steps)": base,
+             "monitor: dispatch-mode step": monitor_step / n,
+             "monitor: reading": r["monitor_read_s"] * share / n,
+             "save: snapshot + hand-off": r["save_call_s"] * share / n,
+             "save: background write interference (2 steps)": interference / n,
+             "log: MLflow flush before a save": r["flush_s"] * share / n,
+             "log: metric calls": r["log_caller_s"] * share / n}
+    parts["rest of the loop"] = r["seconds"] / n - sum(parts.values())
+    return parts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=60, help="timed steps per process")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first, per process")
+    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused")
+    p.add_argument("--loops", default=",".join(LOOPS), help="comma-separated, from bare,memfit,hf")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from none,full")
+    p.add_argument("--before", type=Path, default=None,
+                   help="another memfit tree (e.g. `git worktree add` of main): its loop runs as `before`, "
+                   "alternating with this one")
+    p.add_argument("--plot", type=Path, default=None, help="write a bar chart PNG here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--json", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    loops = args.loops.split(",") + (["before"] if args.before else [])
+    variants = args.variants.split(",")
+    modes = [f"{lp}:{v}" for v in variants for lp in loops]
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    env = {**os.environ, "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(THREADS)}
+    with tempfile.TemporaryDirectory(prefix="memfit-loop-bench-") as tmp:
+        def one(mode: str, steps: int, warmup: int) -> dict:
+            out = Path(tmp) / "out.json"
+            tree = args.before if mode.startswith("before:") else REPO
+            cmd = [sys.executable, __file__, "--worker", mode, "--root", tmp, "--json", str(out), "--steps",
+                   str(steps), "--warmup", str(warmup), "--optimizer", args.optimizer]
+            subprocess.run(cmd, env={**env, "PYTHONPATH": str(tree)}, check=True, cwd=tmp)
+            return json.loads(out.read_text())
+
+        for lp in loops:  # preset build, MLflow store, first imports: not timed
+            one(f"{lp}:{variants[-1]}", 2, 1)
+        for rnd in range(args.rounds):
+            order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
+            for mode in order:
+                results[mode].append(one(mode, args.steps, args.warmup))
+            print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(
+                f"{m} {1000 * results[m][-1]['seconds'] / args.steps:.1f} ms "
+                f"(CPU {1000 * results[m][-1]['cpu_seconds'] / args.steps:.1f})" for m in modes), flush=True)
+            OUT.mkdir(exist_ok=True)  # kept round by round: a long run that fails late still leaves its rounds
+            (OUT / "loop_overhead_rounds.json").write_text(json.dumps(results))
+    print_table(args, loops, variants, results)
+
+
+def print_table(args: argparse.Namespace, loops: list[str], variants: list[str], results: dict[str, list[dict]]
+                ) -> None:
+    def per_step(mode: str, i: int, key: str) -> float:
+        return results[mode][i][key] / results[mode][i]["steps"]
+
+    rounds = range(args.rounds)
+
+    def med(mode: str, key: str = "seconds") -> float:
+        return statistics.median(per_step(mode, i, key) for i in rounds)
+
+    def ratio(a: str, b: str, key: str = "seconds") -> str:
+        vals = sorted(per_step(a, i, key) / per_step(b, i, key) for i in rounds)
+        return f"{statistics.median(vals):.3f}x ({vals[0]:.3f}-{vals[-1]:.3f})"
+
+    import platform
+
+    base = "bare" if "bare" in loops else loops[0]
+    others = [lp for lp in loops if lp != base]
+    lines = [f"Loop overhead, {time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, "
+             f"{THREADS} torch threads, AdamW {args.optimizer}; {args.rounds} rounds x {args.steps} timed steps "
+             f"per process (after {args.warmup}); per round, then the median of rounds (min-max)", "",
+             "| variant | " + " | ".join(f"{lp} ms/step (CPU ms)" for lp in loops) + " | "
+             + " | ".join(f"{lp} / {base} (CPU)" for lp in others) + " |",
+             "|---" * (1 + len(loops) + len(others)) + "|"]
+    for v in variants:
+        cells = [f"{1000 * med(f'{lp}:{v}'):.2f} ({1000 * med(f'{lp}:{v}', 'cpu_seconds'):.2f})" for lp in loops]
+        cells += [f"{ratio(f'{lp}:{v}', f'{base}:{v}')} ({ratio(f'{lp}:{v}', f'{base}:{v}', 'cpu_seconds')})"
+                  for lp in others]
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    if "full" in variants and "none" in variants:
+        lines += ["", "full vs the same loop with nothing: " + ", ".join(
+            f"{lp} {ratio(f'{lp}:full', f'{lp}:none')}" for lp in loops)]
+    for lp in [x for x in ("memfit", "before") if x in loops and "full" in variants]:
+        parts = [breakdown(r, args.warmup) for r in results[f"{lp}:full"]]
+        total = med(f"{lp}:full")
+        lines += ["", f"Where {lp}'s time goes (full, ms per timed step, median of rounds):", "",
+                  "| part | ms/step | share |", "|---|---|---|"]
+        for key in parts[0]:
+            ms = statistics.median(p[key] for p in parts)
+            lines.append(f"| {key} | {1000 * ms:.3f} | {100 * ms / total:.1f}% |")
+    text = "\n".join(lines)
+    print(text)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "loop_overhead.md").write_text(text + "\n")
+    if args.plot:
+        plot(args.plot, loops, variants, {m: med(m) for m in results})
+
+
+def plot(path: Path, loops: list[str], variants: list[str], med: dict[str, float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    width = 0.8 / len(loops)
+    names = {"none": "none (no tracking, no saves)", "full": "full (MLflow + save every 10)"}
+    for k, lp in enumerate(loops):
+        xs = [i + (k - (len(loops) - 1) / 2) * width for i in range(len(variants))]
+        ax.bar(xs, [1000 * med[f"{lp}:{v}"] for v in variants], width, label=lp)
+    ax.set_xticks(range(len(variants)), [names[v] for v in variants])
+    ax.set_ylabel("ms per optimizer step (median of rounds)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
