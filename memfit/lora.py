@@ -50,16 +50,20 @@ def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def prepare_lora_model(model: nn.Module, lora_cfg: Any, precision: str, quantize: str | None = None,
-                       fake: bool = False) -> nn.Module:
+                       fake: bool = False, seed: int = 0) -> nn.Module:
     """The one place a LoRA training model is built: the base quantized (lora.quantize, or `quantize`), the
-    adapters added, every frozen weight held in train.precision's compute dtype. `fake`: the estimator's
-    meta-device model (quantization by same-sized stand-ins)."""
+    adapters added (their init drawn from `seed`), every frozen weight held in train.precision's compute
+    dtype. `fake`: the estimator's meta-device model (quantization by same-sized stand-ins)."""
     from memfit.quantization import compute_dtype, quantization_for
 
     policy = quantization_for(lora_cfg.quantize if quantize is None else quantize, precision, fake=fake)
     if policy is not None:
         model = policy.apply(model)
-    model = apply_lora(model, lora_cfg)
+    # Seeded and forked: the adapters' random init must not depend on what ran before in this process
+    # (the probe, another run), nor move the caller's RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = apply_lora(model, lora_cfg)
     hold_frozen_in(model, compute_dtype(precision))
     return model
 

@@ -110,7 +110,7 @@ def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanRe
     if plan.lora:
         from memfit.lora import prepare_lora_model
 
-        model = prepare_lora_model(model, cfg.lora, plan.precision, quantize=plan.quantize)
+        model = prepare_lora_model(model, cfg.lora, plan.precision, quantize=plan.quantize, seed=cfg.train.seed)
     kinds = plan.block_kinds if plan.policy == "mixed" else None
     apply_policy(model, plan_policy(cfg, plan.policy, plan.every_k, kinds))
     return model
