@@ -65,12 +65,19 @@ def technique_variants(stack: Stack, choices: dict[str, tuple[Any, ...]] | None 
     return [replace(stack, **dict(zip(keys, values, strict=True))) for values in itertools.product(*choices.values())]
 
 
+def techniques(cfg: Any) -> dict[str, Any]:
+    """The memory.* techniques a stack carries (today's defaults where the config has no such field yet)."""
+    m = cfg.memory
+    return {"loss": getattr(m, "loss", "plain"), "optimizer": getattr(m, "optimizer", "adamw"),
+            "optimizer_in_backward": getattr(m, "optimizer_in_backward", False) is True}
+
+
 def configured_stack(cfg: Any, lora: bool | None = None) -> Stack:
     t = cfg.train
     if lora is None:
         lora = cfg.lora.enabled is True
     return Stack(t.precision, t.micro_batch_size, t.grad_accum_steps, lora,
-                 quantize=cfg.lora.quantize if lora and cfg.lora.enabled is True else "none")
+                 quantize=cfg.lora.quantize if lora and cfg.lora.enabled is True else "none", **techniques(cfg))
 
 
 def lora_fallbacks(lora_cfg: Any) -> list[tuple[bool, str]]:
@@ -126,13 +133,15 @@ def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:
     for lora, quantize in lora_fallbacks(cfg.lora):
         for precision in precisions:
             tiers.append([v for m in _micro_batches(cfg)
-                          for v in technique_variants(Stack(precision, m, t.batch_size // m, lora, quantize))])
+                          for v in technique_variants(Stack(precision, m, t.batch_size // m, lora, quantize,
+                                                            **techniques(cfg)))])
     return tiers
 
 
 def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, hf_config: Any | None = None,
              estimator: Estimator | None = None) -> Plan:
-    """Estimate the candidate stacks tier by tier and choose; a fixed memory.policy is estimated only."""
+    """Estimate the candidate stacks tier by tier and choose; a fixed memory.policy is estimated only (with
+    lora.enabled=auto: that policy on each LoRA fallback, until one fits)."""
     t0 = time.perf_counter()
     est = estimator or make_estimator(cfg, profile, hf_config)
     n = est.n_blocks
@@ -144,19 +153,27 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
             raise ConfigError("memory.policy: 'offload' moves saved activations from the GPU to pinned CPU "
                               f"memory and needs a CUDA device; the target ({profile.name}) has none: "
                               "use 'full' or 'selective'")
-        chosen = est.estimate(configured, policy_kinds(cfg, n, policy))
-        return choose([chosen], budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=policy)
-    limit = None if budget is None else budget * (1.0 - cfg.memory.safety_margin)
+        fixed = policy_kinds(cfg, n, policy)
+        chosen = est.estimate(configured, fixed)
+        limit = None if budget is None else budget * (1.0 - cfg.memory.safety_margin)
+        if cfg.lora.enabled != "auto" or limit is None or chosen.peak_bytes <= limit:
+            return choose([chosen], budget, configured=configured, baseline=baseline,
+                          safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=policy)
+        every, fixed_policy = [fixed], policy
+    else:
+        fixed_policy = None
+        limit = None if budget is None else budget * (1.0 - cfg.memory.safety_margin)
+        if limit is None or baseline.peak_bytes <= limit:
+            # No recompute and the configured micro-batch fit: nothing can be faster, nothing else to trace.
+            return choose([baseline], budget, configured=configured, baseline=baseline,
+                          safety_margin=cfg.memory.safety_margin, budget_source=source)
+        kinds = ("none", "selective", "full") + (("offload",) if profile.kind == "cuda" else ())
+        every = assignments(n, kinds)
     tiers = candidate_tiers(cfg, profile)
-    if limit is None or baseline.peak_bytes <= limit or (
-            budget is not None and baseline.weight_bytes > budget and len(tiers) == 1):
-        # No recompute and the configured micro-batch fit: nothing can be faster, nothing else to trace.
-        # (Or the weights alone exceed the budget and no fallback holds them smaller: nothing can fit.)
+    if budget is not None and baseline.weight_bytes > budget and len(tiers) == 1:
+        # The weights alone exceed the budget and no fallback holds them smaller: nothing can fit.
         return choose([baseline], budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source)
-    kinds = ("none", "selective", "full") + (("offload",) if profile.kind == "cuda" else ())
-    every = assignments(n, kinds)
+                      safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=fixed_policy)
     seen: list[Estimate] = []
     plan: Plan | None = None
     for tier in tiers:
@@ -167,7 +184,8 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
             continue  # this tier's weights alone exceed the budget: none of its stacks can fit
         seen += [est.estimate(first, k) for first in firsts for k in every]
         plan = choose(seen, budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source)
+                      safety_margin=cfg.memory.safety_margin, budget_source=source,
+                      fixed_policy=fixed_policy)
         # Under the step-time model a smaller micro-batch never beats the same policy at a larger one, so
         # they matter only when the largest micro-batch needs recompute (or does not fit at all).
         if plan.fits and plan.chosen is not None and set(plan.chosen.kinds) == {"none"}:
@@ -175,12 +193,14 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         for stack in ordered[len(firsts):]:
             seen += [est.estimate(stack, k) for k in every]
         plan = choose(seen, budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source)
+                      safety_margin=cfg.memory.safety_margin, budget_source=source,
+                      fixed_policy=fixed_policy)
         if plan.fits:
             break
     if plan is None:  # every tier's weights exceed the budget: say so for the leanest of them
         plan = choose([baseline], budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source)
+                      safety_margin=cfg.memory.safety_margin, budget_source=source,
+                      fixed_policy=fixed_policy)
     log.info("memory planner: %d candidates over %d blocks in %.1f s (traces %.1f s)", len(seen), n,
              time.perf_counter() - t0, est.trace_seconds)
     return plan
