@@ -41,7 +41,7 @@ def _config(args: argparse.Namespace, uri: str, work: Path):
 
 
 def _trainer(cfg, manager):
-    from memfit import pipeline
+    from memfit import run_context
     from memfit.data import prepare_data
     from memfit.env import pin_threads, resolve_device
     from memfit.reports import PlanReport
@@ -50,14 +50,14 @@ def _trainer(cfg, manager):
 
     device = resolve_device("cpu")
     pin_threads(cfg.train.num_threads)
-    inputs = pipeline.load_inputs(cfg)
+    inputs = run_context.load_inputs(cfg)
     data = prepare_data(cfg, inputs.tokenizer, inputs.texts)
     plan = PlanReport(policy="none", every_k=2, precision="fp32", micro_batch_size=8, grad_accum_steps=1,
                       reason="bench", description="none")
-    model = pipeline.build_training_model(cfg, inputs.model, plan)
+    model = run_context.build_training_model(cfg, inputs.model, plan)
     tracker = NullTracker()
     tracker.start_run("bench")
-    return Trainer(cfg, model, data, device, tracker, manager, pipeline.run_identity(cfg))
+    return Trainer(cfg, model, data, device, tracker, manager, run_context.run_identity(cfg))
 
 
 def _block(trainer, steps: int, every: int | None) -> float:
@@ -80,13 +80,13 @@ def _block(trainer, steps: int, every: int | None) -> float:
 def child_resume(args: argparse.Namespace) -> None:
     """Run in a fresh process: time from process start to the first resumed optimizer step."""
     t_start = float(args.spawned_at)
-    from memfit import pipeline
+    from memfit import phases, run_context
 
     t_import = time.time()
     cfg = _config(args, args.uri, Path(args.work))
-    resume = pipeline.recover(cfg)
+    resume = phases.recover_training_checkpoint(cfg)
     t_recover = time.time()
-    trainer = _trainer(cfg, pipeline.checkpoint_manager(cfg))
+    trainer = _trainer(cfg, run_context.checkpoint_manager(cfg))
     trainer.restore(Path(resume.local_dir))
     t_restore = time.time()
     trainer.model.train()

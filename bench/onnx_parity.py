@@ -4,7 +4,7 @@
 
 Random init, with the final norm scaled so that max |logit| reaches a pretrained model's (~20):
 tiny random models have |logits| < 1 and never show the rounding a real checkpoint does. For each
-model: the figures memfit.parity computes (max |diff|, relative to max |logit|, top-1 agreement, max
+model: the figures memfit.release.parity computes (max |diff|, relative to max |logit|, top-1 agreement, max
 KL per position) for the plain export, then for the same graph with one weight initializer (the
 middle MLP down projection) perturbed by Gaussian noise of 0.1%, 1% and 10% of its std.
 These figures chose the defaults of ExportConfig.onnx_rtol / onnx_min_top1 / onnx_max_kl.
@@ -87,13 +87,13 @@ def figures(path: Path, model, shapes=SHAPES):
     import onnxruntime as ort
     import torch
 
-    from memfit.export import _sample_ids
-    from memfit.parity import shape_parity
+    from memfit.release.formats import sample_ids
+    from memfit.release.parity import shape_parity
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     out = []
     for i, (b, s) in enumerate(shapes):
-        ids = _sample_ids(model.config.vocab_size, b, s, seed=1000 + i)
+        ids = sample_ids(model.config.vocab_size, b, s, seed=1000 + i)
         with torch.no_grad():
             ref = model(input_ids=ids, use_cache=False).logits.float().numpy()
         out.append(shape_parity(ref, session.run(["logits"], {"input_ids": ids.numpy()})[0]))
@@ -103,13 +103,13 @@ def figures(path: Path, model, shapes=SHAPES):
 def measure(name: str, work: Path) -> list[dict]:
     import torch
 
-    from memfit.export import _LogitsOnly
+    from memfit.release.formats import LogitsOnly
 
     model = build(name)
     n_params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
     path = work / f"{name}.onnx"
-    program = torch.onnx.export(_LogitsOnly(model).eval(), (torch.zeros(2, 16, dtype=torch.long),), dynamo=True,
+    program = torch.onnx.export(LogitsOnly(model).eval(), (torch.zeros(2, 16, dtype=torch.long),), dynamo=True,
                                 input_names=["input_ids"], output_names=["logits"], verbose=False,
                                 dynamic_shapes={"input_ids": {0: "batch", 1: "sequence"}})
     program.save(path)

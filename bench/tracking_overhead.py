@@ -32,7 +32,7 @@ def _config(root: Path, mode: str, steps: int):
 
 def run_mode(root: Path, mode: str, steps: int) -> dict[str, float]:
     """Train `steps` steps with the tracker of `mode`; a step period includes its own metric logging."""
-    from memfit import pipeline
+    from memfit import phases
     from memfit.tracking.mlflow_tracker import MLflowTracker
     from memfit.tracking.null import NullTracker
 
@@ -64,10 +64,10 @@ def run_mode(root: Path, mode: str, steps: int) -> dict[str, float]:
         MLflowTracker._submit = inline
     try:
         cfg = _config(root, mode, steps)
-        probe = pipeline.probe(cfg)
-        plan = pipeline.setup_stack(cfg, probe)
+        probe = phases.check_environment_and_probe(cfg)
+        plan = phases.plan_stack(cfg, probe)
         t0 = time.perf_counter()
-        pipeline.train(cfg, plan, pipeline.recover(cfg), probe)
+        phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), probe)
         wall = time.perf_counter() - t0
     finally:
         for cls, fn in originals.items():

@@ -6,7 +6,7 @@ from prefect import flow
 
 from memfit.config import MemfitConfig
 from memfit.errors import OnnxExportFailed
-from memfit.pipeline import absolute_uri
+from memfit.phases import absolute_uri
 from memfit.reports import RunSummary
 from memfit.tracking import scrub
 from tasks.export import export_task
@@ -24,7 +24,7 @@ def finetune(config: MemfitConfig = MemfitConfig()) -> RunSummary:  # noqa: B008
     probe = probe_task(config)
     # Phase 2: optimisation stack: the gradient-checkpointing policy and precision that fit.
     plan = setup_task(config, probe)
-    # Phase 4: preemption recovery: the newest verified training checkpoint, so training resumes from it.
+    # Phase 4 before phase 3: training starts from what recovery finds (the newest verified training checkpoint).
     resume = recover_task(config)
     # Phase 3: checkpointed training with MLflow metrics (skipped when the run already finished).
     trained = train_task(config, plan, resume, probe)

@@ -124,7 +124,7 @@ def probe(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = Fals
     _environment()
     try:
         cfg = _load(config, set_)
-        from memfit.pipeline import probe as run_probe
+        from memfit.phases import check_environment_and_probe as run_probe
 
         report = run_probe(cfg)
     except MemfitError as err:
@@ -292,7 +292,7 @@ def launch_node(config: ConfigArg = None, set_: SetOpt = None) -> None:
     _environment()
     try:
         cfg = _load(config, set_)
-        from memfit.pipeline import launch_node as run_node
+        from memfit.phases import launch_node as run_node
 
         report = run_node(cfg)
     except MemfitError as err:
@@ -443,7 +443,7 @@ def export_cmd(
     """Export a training checkpoint to a verified SafeTensors folder and ONNX file (config from the checkpoint)."""
     _environment()
     try:
-        from memfit.exporting import export_checkpoint
+        from memfit.release.from_checkpoint import export_checkpoint
 
         report = export_checkpoint(checkpoint_uri, out, onnx=onnx, onnx_only=onnx_only, upload_uri=upload,
                                    overrides=set_)

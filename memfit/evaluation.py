@@ -1,4 +1,4 @@
-"""Evaluation for review: greedy generations for fixed prompts, and the run's figures and summary in MLflow."""
+"""Evaluation for review: perplexity, greedy generations for fixed prompts, the loss curve and the run's note."""
 
 from __future__ import annotations
 
@@ -63,36 +63,6 @@ def log_loss_curve(tracker: Tracker, run_name: str) -> None:
     with tempfile.TemporaryDirectory(prefix="memfit-plots-") as tmp:
         tracker.log_artifact(loss_curve(train, val, Path(tmp) / "loss_curve.png", title=f"{run_name}: loss"),
                              "plots")
-
-
-def log_memory_figure(tracker: Tracker, baseline: dict[str, Any] | None, plan: dict[str, Any] | None) -> None:
-    """plots/memory_breakdown.png: the baseline probe by kind, and the peak per step of the run so far."""
-    from memfit.plots import memory_breakdown
-
-    with tempfile.TemporaryDirectory(prefix="memfit-plots-") as tmp:
-        png = memory_breakdown(baseline, tracker.metric_history("memory_peak_bytes"),
-                               Path(tmp) / "memory_breakdown.png", plan=plan)
-        tracker.log_artifact(png, "plots")
-
-
-def plan_table(plan: dict[str, Any], baseline: dict[str, Any] | None) -> str:
-    """The memory plan and the baseline probe as a Markdown table (memory/plan.md in the run)."""
-    gb = 1e9
-    lines = ["# Memory plan", "", "| setting | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in plan.items() if k != "reason"]
-    if plan.get("reason"):
-        lines += ["", f"Why: {plan['reason']}"]
-    if baseline:
-        lines += ["", "## Baseline probe (one plain training step)", "", "| what | value |", "|---|---|"]
-        for key in ("peak_bytes", "budget_bytes", "headroom_bytes"):
-            if baseline.get(key) is not None:
-                lines.append(f"| {key.removesuffix('_bytes')} | {baseline[key] / gb:.4f} GB |")
-        lines += [f"| {k} | {baseline[k]} |" for k in ("fits", "oom", "budget_source", "method") if k in baseline]
-        for kind, value in (baseline.get("breakdown") or {}).items():
-            lines.append(f"| {kind} | {value / gb:.4f} GB |")
-        if baseline.get("message"):
-            lines += ["", str(baseline["message"])]
-    return "\n".join(lines) + "\n"
 
 
 def run_description(report: dict[str, Any]) -> str:

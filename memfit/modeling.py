@@ -45,7 +45,8 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> Any:
     return fast
 
 
-def _preset_spec(model_cfg: ModelConfig, seed: int, digest: str, max_seq_len: int) -> dict[str, Any]:
+def preset_spec(model_cfg: ModelConfig, seed: int, digest: str, max_seq_len: int) -> dict[str, Any]:
+    """What a preset build depends on (its cache key): shape, seed and the digest of the tokenizer's texts."""
     if model_cfg.preset is None:
         raise ConfigError("model.preset is unset and so is model.name_or_path; set one of them")
     return {"format": PRESET_FORMAT, "preset": model_cfg.preset, "vocab_size": model_cfg.vocab_size,
@@ -68,7 +69,8 @@ def _cached(out_dir: Path, spec_hash: str) -> bool:
     return marker.get("spec_hash") == spec_hash and (out_dir / "config.json").is_file()
 
 
-def _preset_config(spec: dict[str, Any], vocab: int, special_id: int) -> Any:
+def preset_config(spec: dict[str, Any], vocab: int, special_id: int) -> Any:
+    """The transformers config of a preset spec (the estimator builds it on fake tensors, without a tokenizer)."""
     h, layers, heads = spec["hidden_size"], spec["num_layers"], spec["num_heads"]
     positions = spec["max_positions"]
     # bos/eos/pad all point at <|endoftext|>, inside the small vocab (GPT2Config defaults to 50256).
@@ -91,7 +93,7 @@ def build_preset(model_cfg: ModelConfig, texts: list[str], out_dir: Path, seed: 
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
-    spec = _preset_spec(model_cfg, seed, _data_digest(texts), max_seq_len)
+    spec = preset_spec(model_cfg, seed, _data_digest(texts), max_seq_len)
     spec_hash = _spec_hash(spec)
     if _cached(out_dir, spec_hash):
         return out_dir
@@ -103,7 +105,7 @@ def build_preset(model_cfg: ModelConfig, texts: list[str], out_dir: Path, seed: 
         tokenizer = train_tokenizer(texts, model_cfg.vocab_size, tmp)
         tokenizer.model_max_length = spec["max_positions"]
         tokenizer.save_pretrained(str(tmp))
-        config = _preset_config(spec, len(tokenizer), tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN))
+        config = preset_config(spec, len(tokenizer), tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN))
         # fork_rng: seeding the init must not move the caller's global RNG (devices=[]: init is on CPU).
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -148,7 +150,7 @@ def _quiet_save(model: Any, folder: Path) -> None:
 
 def preset_dir(cfg: MemfitConfig, data_digest: str) -> Path:
     """Where the preset for this config and data lives: work_dir/presets/<preset>-<spec hash[:12]>."""
-    spec = _preset_spec(cfg.model, cfg.train.seed, data_digest, cfg.data.seq_len)
+    spec = preset_spec(cfg.model, cfg.train.seed, data_digest, cfg.data.seq_len)
     return Path(cfg.run.work_dir) / "presets" / f"{spec['preset']}-{_spec_hash(spec)[:12]}"
 
 

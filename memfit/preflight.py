@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 from memfit.config import DataConfig, MemfitConfig, ModelConfig
 from memfit.errors import ConfigError, DataError, ModelLoadError
+from memfit.files import probe_writable
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl")
 # A hub id is "name" or "org/name"; anything else that does not exist locally is a missing folder.
@@ -83,14 +83,6 @@ def resolve_model_source(name_or_path: str, need_config: bool) -> tuple[str, boo
 def check_model_source(model: ModelConfig) -> None:
     if model.name_or_path:
         resolve_model_source(model.name_or_path, need_config=True)
-
-
-def probe_writable(folder: Path) -> None:
-    """Create `folder` if needed and prove it can be written now (OSError if not), before minutes of work."""
-    folder.mkdir(parents=True, exist_ok=True)
-    probe_file = folder / f".memfit-write-test-{os.getpid()}-{os.urandom(4).hex()}"
-    probe_file.write_bytes(b"")
-    probe_file.unlink()
 
 
 def check_writable_dir(path: str | Path, field: str) -> None:

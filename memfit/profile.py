@@ -32,9 +32,9 @@ PLANNED = "auto"  # in --compare: the stack the planner picks, as `memfit run` w
 
 def planned_stack(cfg: MemfitConfig) -> Any:
     """The PlanReport `memfit run` would train with: the probe, then the planner (or the fixed memory.policy)."""
-    from memfit import pipeline
+    from memfit import phases
 
-    return pipeline.setup_stack(cfg, pipeline.probe(cfg))
+    return phases.plan_stack(cfg, phases.check_environment_and_probe(cfg))
 
 
 def fixed_stack(cfg: MemfitConfig, name: str) -> Any:
@@ -62,7 +62,7 @@ def profile(cfg: MemfitConfig, out_dir: str | Path | None = None, steps: int = 3
     recorded. On CUDA (or with `trace`) one more step runs under torch.profiler, and on CUDA under the
     allocator's history. `auto` in `compare` stands for the planner's choice.
     """
-    from memfit import pipeline
+    from memfit import run_context
     from memfit.datacache import cached_data
     from memfit.env import pin_threads, resolve_device
 
@@ -80,7 +80,7 @@ def profile(cfg: MemfitConfig, out_dir: str | Path | None = None, steps: int = 3
         plans[PLANNED] = planned_stack(cfg)
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
-    inputs = pipeline.load_inputs(cfg)
+    inputs = run_context.load_inputs(cfg)
     data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
     cuda = device.type == "cuda"
     workload = {"model_source": cfg.model.name_or_path or f"preset:{cfg.model.preset}",
@@ -111,14 +111,14 @@ def profile(cfg: MemfitConfig, out_dir: str | Path | None = None, steps: int = 3
 def _profile_stack(cfg: MemfitConfig, base_model: torch.nn.Module, data: Any, device: torch.device, name: str,
                    plan: Any, steps: int, out: Path, trace: bool, cuda_history: bool
                    ) -> tuple[dict[str, Any], dict[str, str]]:
-    from memfit import pipeline
+    from memfit import run_context
     from memfit.memory.breakdown import summarize
     from memfit.memory.timeline import StepTimeline
     from memfit.tracking.null import NullTracker
     from memfit.training.loop import Trainer
 
-    model = pipeline.build_training_model(cfg, copy.deepcopy(base_model), plan)
-    trainer = Trainer(cfg=pipeline.planned_config(cfg, plan), model=model, data=data, device=device,
+    model = run_context.build_training_model(cfg, copy.deepcopy(base_model), plan)
+    trainer = Trainer(cfg=run_context.planned_config(cfg, plan), model=model, data=data, device=device,
                       tracker=NullTracker(), checkpoints=None, identity={})
     model.train()
     seconds = [_timed_step(trainer, device) for _ in range(steps - 1)]

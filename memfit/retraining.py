@@ -7,9 +7,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit.checkpoints import sha256_file
 from memfit.config import MemfitConfig
 from memfit.errors import ConfigError, DataError
+from memfit.files import sha256_file
 from memfit.preflight import SUPPORTED_SUFFIXES
 from memfit.storage import open_store
 
@@ -51,7 +51,7 @@ def gather(cfg: MemfitConfig, data_uri: str | None) -> RetrainInputs:
     if cfg.tracking.backend == "mlflow" and cfg.registry.enabled:
         from mlflow import MlflowClient
 
-        from memfit.registry import current_champion, fetch_champion
+        from memfit.release.registry import current_champion, fetch_champion
 
         tracking_uri = cfg.tracking.resolved_uri()
         name = cfg.registry.model_name or cfg.run.name

@@ -1,4 +1,4 @@
-"""What every phase and every rank shares: inputs, run identity, stores, the training model, MLflow set-up."""
+"""What every phase and rank shares: inputs, run identity, stores, the training model, MLflow set-up, plan tables."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import logging
 import platform
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from memfit.modeling import check_seq_len, load_model_and_tokenizer
 from memfit.preflight import open_checkpoint_store
 from memfit.reports import PlanReport, ProbeReport
 
-log = logging.getLogger("memfit.pipeline")
+log = logging.getLogger("memfit.run_context")
 
 
 @dataclass
@@ -119,8 +120,6 @@ def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanRe
 
 def log_training_end(tracker: Any, plan: PlanReport, probe_report: ProbeReport | None, steps: int) -> None:
     """The memory figure and the tracking overhead; the run stays open for phase 5 (which ends it)."""
-    from memfit.evaluation import log_memory_figure
-
     tracker.flush()
     overhead = getattr(tracker, "overhead", lambda: None)()
     if overhead is not None:
@@ -156,8 +155,6 @@ def log_run_start(tracker: Any, cfg: MemfitConfig, plan: PlanReport, data: DataB
     tracker.log_params(params)
     tracker.log_text(cfg.to_yaml(), "config/resolved.yaml")
     tracker.log_text(json.dumps(plan.model_dump(), indent=2), "memory/plan.json")
-    from memfit.evaluation import plan_table
-
     tracker.log_text(plan_table(plan.model_dump(), probe_report.baseline if probe_report else None), "memory/plan.md")
     for context, blocks in (("training", data.train), ("validation", data.val)):
         tracker.log_dataset(f"{data.source} [{context}]", data.digest, cfg.data.path or data.source, context,
@@ -169,3 +166,33 @@ def log_run_start(tracker: Any, cfg: MemfitConfig, plan: PlanReport, data: DataB
         tracker.log_text(json.dumps(probe_report.environment, indent=2), "environment/report.json")
         tracker.log_text(json.dumps(probe_report.baseline, indent=2), "memory/baseline_probe.json")
         tracker.log_metrics({"baseline_peak_bytes": probe_report.baseline["peak_bytes"]}, step=0)
+
+
+def plan_table(plan: dict[str, Any], baseline: dict[str, Any] | None) -> str:
+    """The memory plan and the baseline probe as a Markdown table (memory/plan.md in the run)."""
+    gb = 1e9
+    lines = ["# Memory plan", "", "| setting | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in plan.items() if k != "reason"]
+    if plan.get("reason"):
+        lines += ["", f"Why: {plan['reason']}"]
+    if baseline:
+        lines += ["", "## Baseline probe (one plain training step)", "", "| what | value |", "|---|---|"]
+        for key in ("peak_bytes", "budget_bytes", "headroom_bytes"):
+            if baseline.get(key) is not None:
+                lines.append(f"| {key.removesuffix('_bytes')} | {baseline[key] / gb:.4f} GB |")
+        lines += [f"| {k} | {baseline[k]} |" for k in ("fits", "oom", "budget_source", "method") if k in baseline]
+        for kind, value in (baseline.get("breakdown") or {}).items():
+            lines.append(f"| {kind} | {value / gb:.4f} GB |")
+        if baseline.get("message"):
+            lines += ["", str(baseline["message"])]
+    return "\n".join(lines) + "\n"
+
+
+def log_memory_figure(tracker: Any, baseline: dict[str, Any] | None, plan: dict[str, Any] | None) -> None:
+    """plots/memory_breakdown.png: the baseline probe by kind, and the peak per step of the run so far."""
+    from memfit.plots import memory_breakdown
+
+    with tempfile.TemporaryDirectory(prefix="memfit-plots-") as tmp:
+        png = memory_breakdown(baseline, tracker.metric_history("memory_peak_bytes"),
+                               Path(tmp) / "memory_breakdown.png", plan=plan)
+        tracker.log_artifact(png, "plots")

@@ -6,7 +6,7 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from memfit import pipeline
+from memfit import phases
 from memfit.config import MemfitConfig
 from memfit.reports import ExportReport, TrainReport
 
@@ -17,7 +17,7 @@ def _or_nan(value: float | None) -> float:
 
 @task(name="evaluate-and-export", cache_policy=NO_CACHE, timeout_seconds=3600)
 def export_task(config: MemfitConfig, trained: TrainReport) -> ExportReport:
-    report = pipeline.evaluate_and_export(config, trained)
+    report = phases.evaluate_and_release(config, trained)
     onnx = (f"`{report.onnx_path}` (opset {report.onnx_opset}, max abs diff {report.onnx_max_abs_diff:.2e})"
             if report.onnx_path else f"**failed**: {report.onnx_error}" if report.onnx_error else "off")
     create_markdown_artifact(

@@ -8,7 +8,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from memfit.exporting import export_checkpoint
+from memfit.release.from_checkpoint import export_checkpoint
 
 
 @task(name="export-checkpoint", cache_policy=NO_CACHE, timeout_seconds=7200)

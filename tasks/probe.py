@@ -6,7 +6,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from memfit import pipeline
+from memfit import phases
 from memfit.config import MemfitConfig
 from memfit.reports import ProbeReport
 
@@ -15,7 +15,7 @@ GB = 1e9
 
 @task(name="env-check-and-probe", cache_policy=NO_CACHE, timeout_seconds=3600)
 def probe_task(config: MemfitConfig) -> ProbeReport:
-    report = pipeline.probe(config)
+    report = phases.check_environment_and_probe(config)
     b, dev = report.baseline, report.environment["device"]
     budget = f"{b['budget_bytes'] / GB:.4f} GB ({b['budget_source']})" if b["budget_bytes"] else b["budget_source"]
     create_markdown_artifact(

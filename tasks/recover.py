@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from memfit import pipeline
+from memfit import phases
 from memfit.config import MemfitConfig
 from memfit.reports import ResumePoint
 
@@ -14,4 +14,4 @@ from memfit.reports import ResumePoint
 @task(name="recover-training-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
       timeout_seconds=3600)
 def recover_task(config: MemfitConfig) -> ResumePoint:
-    return pipeline.recover(config)
+    return phases.recover_training_checkpoint(config)

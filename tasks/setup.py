@@ -6,14 +6,14 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from memfit import pipeline
+from memfit import phases
 from memfit.config import MemfitConfig
 from memfit.reports import PlanReport, ProbeReport
 
 
 @task(name="optimisation-stack", cache_policy=NO_CACHE, timeout_seconds=600)
 def setup_task(config: MemfitConfig, probe: ProbeReport) -> PlanReport:
-    plan = pipeline.setup_stack(config, probe)
+    plan = phases.plan_stack(config, probe)
     create_markdown_artifact(
         key="memory-plan",
         description="The optimisation stack chosen for this run",

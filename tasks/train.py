@@ -7,7 +7,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from memfit import pipeline
+from memfit import phases
 from memfit.config import MemfitConfig
 from memfit.memory.monitor import event_sink
 from memfit.reports import PlanReport, ProbeReport, ResumePoint, TrainReport
@@ -42,8 +42,8 @@ def emit_memory_event(event: dict[str, Any]) -> None:
 @task(name="train", cache_policy=NO_CACHE, persist_result=True)
 def train_task(config: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe: ProbeReport) -> TrainReport:
     if resume.finished:
-        return pipeline.train(config, plan, resume, probe)
+        return phases.train(config, plan, resume, probe)
     # Held for the whole of training: a second run on this machine waits (and says so) instead of sharing the
     # GPU. A run killed while holding it never blocks the next one (tasks/slots.py says how, per mode).
     with training_slot(config), event_sink(emit_memory_event):
-        return pipeline.train(config, plan, resume, probe)
+        return phases.train(config, plan, resume, probe)

@@ -7,7 +7,6 @@ from memfit.checkpoints.format import (
     CheckpointInfo,
     LoadedCheckpoint,
     Snapshot,
-    sha256_file,
     take_snapshot,
 )
 from memfit.checkpoints.index import CheckpointIndex
@@ -15,4 +14,4 @@ from memfit.checkpoints.manager import CheckpointManager
 from memfit.checkpoints.reader import read_checkpoint_folder
 
 __all__ = ["CONFIG_FILE", "MANIFEST", "CheckpointEntry", "CheckpointIndex", "CheckpointInfo", "CheckpointManager",
-           "LoadedCheckpoint", "Snapshot", "read_checkpoint_folder", "sha256_file", "take_snapshot"]
+           "LoadedCheckpoint", "Snapshot", "read_checkpoint_folder", "take_snapshot"]

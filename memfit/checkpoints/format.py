@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import re
 from collections.abc import Mapping
@@ -54,19 +53,6 @@ def is_sharded_folder(folder: Path) -> bool:
     return (folder / METADATA_FILE).is_file() or is_deepspeed_folder(folder)
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def file_record(path: Path) -> dict[str, Any]:
-    """A manifest's entry for one file: its size and sha256."""
-    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-
-
 @dataclass
 class CheckpointInfo:
     step: int
@@ -93,13 +79,21 @@ class CheckpointEntry:
 
 
 @dataclass
-class LoadedCheckpoint:
-    info: CheckpointInfo
+class CheckpointContents:
+    """What a training checkpoint holds: weights, optimizer state, RNG states, the loop's state, the config."""
+
     model_state: Mapping[str, torch.Tensor]
     optimizer_state: Mapping[str, Any]
     rng_tensors: dict[str, Any]
     state: dict[str, Any]
     config_yaml: str
+
+
+@dataclass
+class LoadedCheckpoint(CheckpointContents):
+    """The contents read back from the store, with the record of where they came from."""
+
+    info: CheckpointInfo
 
     @property
     def step(self) -> int:
@@ -107,15 +101,10 @@ class LoadedCheckpoint:
 
 
 @dataclass
-class Snapshot:
+class Snapshot(CheckpointContents):
     """Everything needed to resume, already copied to CPU memory so training can go on while it is written."""
 
     step: int
-    model_state: dict[str, torch.Tensor]
-    optimizer_state: dict[str, Any]
-    rng_tensors: dict[str, Any]
-    state: dict[str, Any]
-    config_yaml: str
 
 
 def _cpu_copy(obj: Any) -> Any:

@@ -15,11 +15,11 @@ from memfit.checkpoints.format import (
     CheckpointEntry,
     CheckpointInfo,
     LoadedCheckpoint,
-    sha256_file,
     step_prefix,
 )
 from memfit.checkpoints.reader import read_checkpoint_folder
 from memfit.errors import CheckpointError
+from memfit.files import sha256_file
 from memfit.storage.base import ObjectStore
 
 log = logging.getLogger("memfit.checkpoints")

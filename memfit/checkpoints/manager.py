@@ -26,11 +26,11 @@ from memfit.checkpoints.format import (
     STATE_FILE,
     CheckpointInfo,
     Snapshot,
-    file_record,
     step_prefix,
 )
 from memfit.checkpoints.index import CheckpointIndex
 from memfit.checkpoints.writer import BackgroundWriter, test_upload_delay
+from memfit.files import file_record
 from memfit.storage.base import ObjectStore
 
 log = logging.getLogger("memfit.checkpoints")

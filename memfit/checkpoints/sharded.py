@@ -28,7 +28,6 @@ from memfit.checkpoints.format import (
     METADATA_FILE,
     SHARDED_FORMAT,
     STATE_FILE,
-    file_record,
     part_key,
     rng_file,
     step_prefix,
@@ -37,6 +36,7 @@ from memfit.checkpoints.index import CheckpointIndex
 from memfit.checkpoints.reader import dcp_reader, tensor_only_planners
 from memfit.checkpoints.writer import BackgroundWriter
 from memfit.errors import CheckpointError
+from memfit.files import file_record
 from memfit.storage.base import ObjectStore
 
 log = logging.getLogger("memfit.checkpoints")

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from memfit import errors
 from memfit.config import MemfitConfig
 from memfit.errors import DistributedError, Preempted
+from memfit.files import write_text_atomic
 from memfit.procs import die_with_parent_hook
 from memfit.reports import PlanReport, ProbeReport, ResumePoint, TrainReport
 
@@ -43,9 +44,7 @@ class Job(BaseModel):
     job_dir: str
 
     def write(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.model_dump_json(indent=2))
-        os.replace(tmp, path)
+        write_text_atomic(path, self.model_dump_json(indent=2))
 
     @classmethod
     def read(cls, path: Path) -> Job:

@@ -14,6 +14,7 @@ from typing import Any
 
 from memfit.config import MemfitConfig, from_dict
 from memfit.errors import ConfigError, DistributedError, MemoryLimitError, Preempted
+from memfit.files import write_json_atomic
 from memfit.reports import PlanReport, ProbeReport, ResumePoint, TrainReport
 
 log = logging.getLogger("memfit.distributed")
@@ -24,12 +25,6 @@ def _setup_logging(rank: int) -> None:
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     for noisy in ("httpx", "alembic", "urllib3", "botocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
-    os.replace(tmp, path)
 
 
 def _agree(info: Any, job_plan: dict[str, Any], resume: ResumePoint) -> dict[str, Any]:
@@ -104,7 +99,7 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event, save_req
             run_context.log_training_end(tracker, plan, probe, result.steps)
         report = {**result.model_dump(mode="json"), "mlflow_run_id": tracker.run_id, "world_size": info.world_size,
                   "strategy": plan.strategy}
-        _write_json(jdir / REPORT_FILE, report)
+        write_json_atomic(jdir / REPORT_FILE, report, indent=2, sort_keys=True)
         if d.nnodes > 1:  # the flow on node 0 reads it from the store when this is another node
             from memfit.distributed.launch import store_report_key
 
@@ -138,7 +133,7 @@ def _write_error(job_dir: Path, rank: int, err: BaseException) -> None:
                "traceback": "".join(traceback.format_exception(err)[-12:]), "time": time.time()}
     try:
         (job_dir / ERRORS_DIR).mkdir(parents=True, exist_ok=True)
-        _write_json(job_dir / ERRORS_DIR / f"rank-{rank:05d}.json", payload)
+        write_json_atomic(job_dir / ERRORS_DIR / f"rank-{rank:05d}.json", payload, indent=2, sort_keys=True)
     except OSError:
         pass  # the traceback is on stderr as well
 

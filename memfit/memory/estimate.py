@@ -27,7 +27,7 @@ def model_config_for(cfg: Any) -> Any:
     """The transformers config of the model a memfit config trains; weights and tokenizer are not needed."""
     from transformers import AutoConfig
 
-    from memfit.modeling import _preset_config, _preset_spec
+    from memfit.modeling import preset_config, preset_spec
     from memfit.preflight import resolve_model_source
 
     if cfg.model.name_or_path:
@@ -37,9 +37,9 @@ def model_config_for(cfg: Any) -> Any:
                                               local_files_only=local)
         except Exception as err:  # noqa: BLE001 - unreadable or unknown architecture
             raise ConfigError(f"model.name_or_path: cannot read the model config from {target} ({err})") from None
-    spec = _preset_spec(cfg.model, cfg.train.seed, "", cfg.data.seq_len)
+    spec = preset_spec(cfg.model, cfg.train.seed, "", cfg.data.seq_len)
     # A preset's vocabulary is its trained tokenizer's, at most model.vocab_size: estimate with the maximum.
-    return _preset_config(spec, cfg.model.vocab_size, 0)
+    return preset_config(spec, cfg.model.vocab_size, 0)
 
 
 def n_blocks_of(hf_config: Any) -> int:

@@ -83,7 +83,7 @@ def test_preempted_run_resumes_in_one_run_and_registers(mlflow_server, s3_env, s
     from mlflow import MlflowClient
     from tests_support import tiny_overrides
 
-    from memfit import config, pipeline
+    from memfit import config, phases
     from memfit.errors import Preempted
     from memfit.tracking.mlflow_tracker import MLflowTracker
 
@@ -95,8 +95,8 @@ def test_preempted_run_resumes_in_one_run_and_registers(mlflow_server, s3_env, s
         "train.max_steps": 8, "checkpoint.every_steps": 3, "data.synthetic_docs": 300, "export.onnx": False,
         "checkpoint.uri": "s3://runs/tiny/checkpoints", "export.uri": "s3://runs/tiny/exports",
         "tracking.system_metrics_interval_s": 0.5}))
-    probe = pipeline.probe(cfg)
-    plan = pipeline.setup_stack(cfg, probe)
+    probe = phases.check_environment_and_probe(cfg)
+    plan = phases.plan_stack(cfg, probe)
 
     original = MLflowTracker.log_metrics
 
@@ -108,7 +108,7 @@ def test_preempted_run_resumes_in_one_run_and_registers(mlflow_server, s3_env, s
 
     monkeypatch.setattr(MLflowTracker, "log_metrics", preempt_at_5)
     with pytest.raises(Preempted):
-        pipeline.train(cfg, plan, pipeline.recover(cfg), probe)
+        phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), probe)
     monkeypatch.setattr(MLflowTracker, "log_metrics", original)
 
     client = MlflowClient(f"http://127.0.0.1:{port}")
@@ -117,10 +117,10 @@ def test_preempted_run_resumes_in_one_run_and_registers(mlflow_server, s3_env, s
     system_before = client.get_metric_history(killed.info.run_id, "system/cpu_utilization_percentage")
     assert system_before  # sampled during the first segment
 
-    resume = pipeline.recover(cfg)
+    resume = phases.recover_training_checkpoint(cfg)
     assert resume.step == 5 and resume.mlflow_run_id == killed.info.run_id  # the id travels in the checkpoint
-    trained = pipeline.train(cfg, plan, resume, probe)
-    exported = pipeline.evaluate_and_export(cfg, trained)
+    trained = phases.train(cfg, plan, resume, probe)
+    exported = phases.evaluate_and_release(cfg, trained)
     assert trained.mlflow_run_id == killed.info.run_id
 
     exp_id = client.get_experiment_by_name("tests").experiment_id
@@ -140,7 +140,7 @@ def test_preempted_run_resumes_in_one_run_and_registers(mlflow_server, s3_env, s
     assert any(k.endswith("/artifacts/hf/model.safetensors") and "/models/" in k for k in keys)
     assert exported.export_uri == f"s3://runs/tiny/exports/{run.info.run_id}"
     assert mv.tags["memfit.export_uri"] == exported.export_uri
-    from memfit.exporting import download_export
+    from memfit.release.from_checkpoint import download_export
 
     assert (download_export(exported.export_uri, tmp_path / "dl") / "hf" / "model.safetensors").is_file()
 

@@ -129,15 +129,15 @@ def _poll(run: Run, pred, what: str, timeout: float = 240) -> None:
 
 def _reference_export(root: Path, bucket: str) -> dict[str, torch.Tensor]:
     """The uninterrupted run with the same settings, in this process (no Prefect: the phases alone)."""
-    from memfit import config, pipeline
+    from memfit import config, phases
 
     args = _overrides(root, f"s3://{bucket}/reference", **{"export.dir": root / "reference-export",
                                                            "tracking.backend": "null"})
     cfg = config.load(TINY, [a for a in args if a != "--set"])
-    report = pipeline.probe(cfg)
-    plan = pipeline.setup_stack(cfg, report)
-    trained = pipeline.train(cfg, plan, pipeline.recover(cfg), report)
-    exported = pipeline.evaluate_and_export(cfg, trained)
+    report = phases.check_environment_and_probe(cfg)
+    plan = phases.plan_stack(cfg, report)
+    trained = phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), report)
+    exported = phases.evaluate_and_release(cfg, trained)
     return load_file(str(Path(exported.safetensors_dir) / "model.safetensors"))
 
 

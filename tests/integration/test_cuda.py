@@ -5,20 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memfit import pipeline
+from memfit import phases, run_context
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _train(cfg):
-    report = pipeline.probe(cfg)
-    plan = pipeline.setup_stack(cfg, report)
-    return pipeline.train(cfg, plan, pipeline.recover(cfg), report)
+    report = phases.check_environment_and_probe(cfg)
+    plan = phases.plan_stack(cfg, report)
+    return phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), report)
 
 
 def test_probe_measures_with_the_allocator_against_the_free_memory(tiny_config):
-    report = pipeline.probe(tiny_config(**{"train.device": "cuda"}))
+    report = phases.check_environment_and_probe(tiny_config(**{"train.device": "cuda"}))
     b, dev = report.baseline, report.environment["device"]
     assert dev["type"] == "cuda" and b["method"] == "cuda.max_memory_allocated"
     assert b["budget_source"].startswith("free memory of")
@@ -32,7 +32,7 @@ def test_a_real_cuda_oom_is_a_verdict_with_the_estimators_breakdown(tiny_config)
     # 32 MiB for this process's allocator: the tiny weights fit, a step at 512 x 64 tokens does not.
     torch.cuda.set_per_process_memory_fraction(32 * 2**20 / total)
     try:
-        report = pipeline.probe(tiny_config(**{"train.device": "cuda", "train.batch_size": 512,
+        report = phases.check_environment_and_probe(tiny_config(**{"train.device": "cuda", "train.batch_size": 512,
                                                "train.grad_accum_steps": 1}))
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
@@ -46,7 +46,7 @@ def test_offload_gives_the_loss_and_gradients_of_none(tiny_config):
     from memfit.memory.policies import make_policy
 
     cfg = tiny_config(**{"train.device": "cuda"})
-    model = pipeline.load_inputs(cfg).model.cuda()
+    model = run_context.load_inputs(cfg).model.cuda()
     ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
 
     def step(policy: str):

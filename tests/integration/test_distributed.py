@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from tests_support import tiny_overrides
 
-from memfit import config, pipeline
+from memfit import config, phases
 from memfit.errors import DistributedError, Preempted
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -31,9 +31,9 @@ def _cfg(root: Path, work: Path, **extra: object):
 
 
 def _train(cfg):
-    probe = pipeline.probe(cfg)
-    plan = pipeline.setup_stack(cfg, probe)
-    return plan, pipeline.train(cfg, plan, pipeline.recover(cfg), probe)
+    probe = phases.check_environment_and_probe(cfg)
+    plan = phases.plan_stack(cfg, probe)
+    return plan, phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), probe)
 
 
 def _losses(cfg, run_id: str) -> dict[int, float]:
@@ -114,7 +114,7 @@ def test_sigterm_on_one_rank_stops_all_with_a_sharded_save(preempted_fsdp2, refe
 
 def test_sharded_checkpoint_resumes_on_two_ranks(preempted_fsdp2, reference):
     cfg, _, _, _ = preempted_fsdp2
-    resume = pipeline.recover(cfg)
+    resume = phases.recover_training_checkpoint(cfg)
     assert resume.step == 5 and not resume.finished
     _, report = _train(cfg)
     assert report.resumed_from == 5 and report.steps == STEPS and not report.preempted
@@ -130,7 +130,7 @@ def test_sharded_checkpoint_resumes_in_one_process(preempted_fsdp2, reference, w
     assert report.resumed_from == 5 and report.steps == STEPS
     _assert_close(_losses(cfg, report.mlflow_run_id), reference, range(1, STEPS + 1))
     # Phase 5 consolidates the (now single-process) final checkpoint and exports it as usual.
-    export = pipeline.evaluate_and_export(cfg, report)
+    export = phases.evaluate_and_release(cfg, report)
     assert export.safetensors_max_abs_diff == 0.0
 
 
@@ -220,7 +220,7 @@ def test_deepspeed_zero_preempts_and_resumes(tmp_path, work, reference, stage):
     _, report = _train(cfg)
     assert report.resumed_from == 5 and report.steps == STEPS
     _assert_close(_losses(cfg, report.mlflow_run_id), reference, range(1, STEPS + 1))
-    export = pipeline.evaluate_and_export(cfg, report)  # whole weights rank 0 wrote beside the ZeRO shards
+    export = phases.evaluate_and_release(cfg, report)  # whole weights rank 0 wrote beside the ZeRO shards
     assert export.safetensors_max_abs_diff == 0.0
 
 
@@ -242,7 +242,7 @@ def test_fsdp2_memory_limit_stops_every_rank_with_a_checkpoint_and_exit_76(tmp_p
                       grad_accum_steps=cfg.train.grad_accum_steps, reason="test", description="none",
                       strategy="fsdp2", world_size=2)
     with pytest.raises(MemoryLimitError, match=r"monitor\.stop_at_fraction=1\.0") as info:
-        pipeline.train(cfg, plan, ResumePoint(checkpoint_uri=cfg.checkpoint.uri), None)
+        phases.train(cfg, plan, ResumePoint(checkpoint_uri=cfg.checkpoint.uri), None)
     assert info.value.exit_code == 76
     manager = CheckpointManager(open_store(cfg.checkpoint.uri))
     assert [c.step for c in manager.list()] == [1]  # the first reading (step 1) stops, with a save of that step

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from memfit import __version__
-from memfit import export as ex
 from memfit.errors import ExportError
-from memfit.parity import ParityCriteria
+from memfit.files import sha256_file
+from memfit.release import formats as ex
+from memfit.release.parity import ParityCriteria
 
 pytestmark = [
     pytest.mark.integration,
@@ -105,7 +106,7 @@ def test_safetensors_export_reloads_with_same_logits(models, tokenizer, tmp_path
     assert manifest["files"] == res.files
     for name, info in res.files.items():
         assert (out / name).stat().st_size == info["bytes"]
-        assert ex.sha256_file(out / name) == info["sha256"]
+        assert sha256_file(out / name) == info["sha256"]
 
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert not reloaded.is_activation_checkpointing
@@ -156,7 +157,7 @@ def test_onnx_parity_at_dynamic_shapes(models, tmp_path, monkeypatch, arch, opse
     assert res.path == str(out.absolute()) and out.is_file()
     assert len(res.shapes) >= 3 and res.max_abs_diff <= 1e-4
     assert any(b != ex.EXAMPLE_SHAPE[0] and s != ex.EXAMPLE_SHAPE[1] for b, s in res.shapes)
-    assert res.sha256 == ex.sha256_file(out)
+    assert res.sha256 == sha256_file(out)
     assert res.external_data is (arch == "llama")
     assert (out.parent / "model.onnx.data").exists() is (arch == "llama")
     assert not _leftovers(out.parent)

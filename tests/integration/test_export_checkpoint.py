@@ -25,7 +25,7 @@ def trained(tmp_path_factory):
     """A short tiny run without tracking: its training checkpoints are what `memfit export` reads."""
     from tests_support import tiny_overrides
 
-    from memfit import config, pipeline
+    from memfit import config, phases
 
     root = tmp_path_factory.mktemp("trained")
     from memfit.reports import PlanReport
@@ -34,7 +34,7 @@ def trained(tmp_path_factory):
         "tracking.backend": "null", "train.max_steps": 4, "checkpoint.every_steps": 2, "data.synthetic_docs": 300}))
     plan = PlanReport(policy="none", every_k=2, precision="fp32", micro_batch_size=cfg.train.micro_batch_size,
                       grad_accum_steps=cfg.train.grad_accum_steps, reason="test", description="no recompute")
-    pipeline.train(cfg, plan, pipeline.recover(cfg))
+    phases.train(cfg, plan, phases.recover_training_checkpoint(cfg))
     return root / "checkpoints"
 
 
@@ -78,7 +78,7 @@ def test_cli_exports_a_training_checkpoint(trained, tmp_path):
     assert np.abs(got - ref).max() <= 1e-4
     meta = json.loads((out / "model.onnx.memfit.json").read_text())
     from memfit import __version__
-    from memfit.export import sha256_file
+    from memfit.files import sha256_file
 
     assert meta["memfit_version"] == __version__ and meta["metadata"]["source_checkpoint"] == report["checkpoint"]
     assert meta["files"]["model.onnx"]["sha256"] == sha256_file(out / "model.onnx")
@@ -94,7 +94,7 @@ def test_missing_checkpoint_is_a_clear_cli_error(tmp_path):
 
 
 def test_corrupt_and_incomplete_checkpoints(trained, tmp_path):
-    from memfit.exporting import export_checkpoint
+    from memfit.release.from_checkpoint import export_checkpoint
 
     root = _copy(trained, tmp_path / "ckpts")
     newest = root / "step-00000004"
@@ -121,7 +121,7 @@ def test_corrupt_and_incomplete_checkpoints(trained, tmp_path):
 def test_onnx_parity_failure_reports_the_difference_and_keeps_safetensors(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from memfit.exporting import export_checkpoint
+    from memfit.release.from_checkpoint import export_checkpoint
 
     with pytest.raises(ExportError) as err:
         export_checkpoint(str(trained), tmp_path / "out", overrides=["export.onnx_rtol=0", "export.onnx_atol=1e-12"])
@@ -139,7 +139,7 @@ def test_export_flow_from_s3_checkpoint_and_upload_to_s3(prefect_harness, traine
     from transformers import AutoModelForCausalLM
 
     from flows.export import export
-    from memfit.exporting import download_export, export_checkpoint
+    from memfit.release.from_checkpoint import download_export, export_checkpoint
     from memfit.storage import open_store
 
     _, bucket = s3_bucket

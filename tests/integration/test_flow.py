@@ -189,7 +189,7 @@ def test_secrets_absent_from_everything_mlflow_stored(flow_run):
 def test_gate_failure_blocks_registration(flow_run, tmp_path):
     from mlflow import MlflowClient
 
-    from memfit import pipeline
+    from memfit import phases
     from memfit.reports import TrainReport
 
     cfg, s, _ = flow_run
@@ -200,7 +200,7 @@ def test_gate_failure_blocks_registration(flow_run, tmp_path):
     trained = TrainReport(mlflow_run_id=s.mlflow_run_id, start_step=24, steps=24, resumed_from=24, preempted=False,
                           initial_val_loss=None, final_train_loss=None, tokens_per_s=None, peak_memory_bytes=0,
                           last_checkpoint_uri=None)
-    report = pipeline.evaluate_and_export(strict, trained)
+    report = phases.evaluate_and_release(strict, trained)
     assert report.registry["gate_passed"] is False and report.registry["version"] is None
     assert "> eval.gate.max_perplexity 1.001" in report.registry["gate_reason"]
     client = MlflowClient(cfg.tracking.uri)

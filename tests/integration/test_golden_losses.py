@@ -3,7 +3,7 @@
 # How the literals were produced: `MEMFIT_PRINT_GOLDEN=1 pytest tests/integration/test_golden_losses.py -s` on
 # the code before the single training loop (main at e4046e1: memfit/train.py Trainer, memfit/distributed/
 # trainer.py DistTrainer), torch 2.13.0+cpu, transformers 5.24.0, Python 3.11.7, a 2-core x86-64 CPU, gloo.
-# Each run is phase 3 as the flow calls it (pipeline.train with a fixed plan: no probe, no planner), so the
+# Each run is phase 3 as the flow calls it (phases.train with a fixed plan: no probe, no planner), so the
 # numbers pin the loop, the strategies, the data order and the optimizer, not the planner's choice. The losses
 # are read back from MLflow, as a user sees them. A refactor must leave them unchanged; a deliberate change of
 # the numerics (a new optimizer default, another data order) regenerates them and says why in its commit.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tests_support import tiny_overrides
 
-from memfit import config, pipeline
+from memfit import config, phases
 from memfit.reports import PlanReport, ResumePoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -47,7 +47,7 @@ def _run(root: Path, work: Path, strategy: str) -> list[float]:
     plan = PlanReport(policy="none", every_k=2, precision="fp32", micro_batch_size=cfg.train.micro_batch_size,
                       grad_accum_steps=cfg.train.grad_accum_steps, reason="golden", description="none",
                       strategy=strategy, world_size=ranks)
-    report = pipeline.train(cfg, plan, ResumePoint(checkpoint_uri=cfg.checkpoint.uri), None)
+    report = phases.train(cfg, plan, ResumePoint(checkpoint_uri=cfg.checkpoint.uri), None)
     assert report.steps == STEPS and not report.preempted
     history = MlflowClient(cfg.tracking.uri).get_metric_history(report.mlflow_run_id, "loss")
     by_step = {m.step: m.value for m in history}

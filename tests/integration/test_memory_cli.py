@@ -1,4 +1,4 @@
-"""`memfit estimate` and `memfit plan` as a user runs them, and LoRA + checkpointing through the pipeline."""
+"""`memfit estimate` and `memfit plan` as a user runs them, and LoRA + checkpointing through the phases."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit import pipeline
+from memfit import phases, run_context
 from memfit.errors import MemoryBudgetError
 from memfit.reports import PlanReport
 
@@ -85,26 +85,26 @@ def test_lora_with_checkpointing_trains_adapters_and_exports_merged(tiny_config)
 
     cfg = tiny_config(**{"lora.enabled": "true", "lora.r": 4, "memory.policy": "full", "train.max_steps": 2,
                          "train.eval_batches": 1, "tracking.backend": "null"})
-    report = pipeline.probe(cfg)
-    plan = pipeline.setup_stack(cfg, report)
+    report = phases.check_environment_and_probe(cfg)
+    plan = phases.plan_stack(cfg, report)
     assert plan.lora is True and plan.policy == "full" and plan.predicted_peak_bytes > 0
-    result = pipeline.train(cfg, plan, pipeline.recover(cfg), report)
+    result = phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), report)
     assert result.steps == 2
-    exported = pipeline.evaluate_and_export(cfg, result)
+    exported = phases.evaluate_and_release(cfg, result)
     model = AutoModelForCausalLM.from_pretrained(exported.safetensors_dir)
     assert not any("lora" in k for k in model.state_dict())
     assert exported.final_val_loss < 50
     # Even a forced policy cannot run when the budget is below the weights themselves.
     with pytest.raises(MemoryBudgetError, match="memory.budget_gb.*below the model's weights alone"):
-        pipeline.setup_stack(tiny_config(**{"memory.policy": "full", "memory.budget_gb": 1e-5}), report)
+        phases.plan_stack(tiny_config(**{"memory.policy": "full", "memory.budget_gb": 1e-5}), report)
 
 
 def test_a_planned_mix_is_applied_block_by_block(tiny_config):
     cfg = tiny_config()
-    inputs = pipeline.load_inputs(cfg)
+    inputs = run_context.load_inputs(cfg)
     plan = PlanReport(policy="mixed", every_k=2, precision="fp32", micro_batch_size=8, grad_accum_steps=2,
                       reason="test", description="", block_kinds=["full", "selective"])
-    model = pipeline.build_training_model(cfg, inputs.model, plan)
+    model = run_context.build_training_model(cfg, inputs.model, plan)
     flags = [b.gradient_checkpointing for b in model.model.layers]
     funcs = [b._gradient_checkpointing_func for b in model.model.layers]
     assert flags == [True, True] and funcs[0] is not funcs[1]

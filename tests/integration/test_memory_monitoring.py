@@ -70,10 +70,10 @@ def test_per_module_activations_add_up_to_an_independent_total(profiled):
     # torch's own MemTracker, on the same model and micro-batch, counts the same activations after forward.
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from memfit import pipeline
+    from memfit import run_context
 
     cfg = _config(root)
-    model = pipeline.load_inputs(cfg).model.train()
+    model = run_context.load_inputs(cfg).model.train()
     batch = torch.randint(0, model.config.vocab_size, (cfg.train.micro_batch_size, cfg.data.seq_len))
     tracker = MemTracker()
     tracker.track_external(model)
@@ -101,12 +101,12 @@ def test_trace_and_mlflow_run(profiled):
 
 
 def _train(cfg, policy: str = "none", resume=None):
-    from memfit import pipeline
+    from memfit import phases
     from memfit.reports import PlanReport, ResumePoint
 
     plan = PlanReport(policy=policy, every_k=2, precision="fp32", micro_batch_size=cfg.train.micro_batch_size,
                       grad_accum_steps=cfg.train.grad_accum_steps, reason="test", description=policy)
-    return pipeline.train(cfg, plan, resume or ResumePoint(checkpoint_uri=cfg.checkpoint.uri), None)
+    return phases.train(cfg, plan, resume or ResumePoint(checkpoint_uri=cfg.checkpoint.uri), None)
 
 
 @pytest.mark.parametrize("headroom, warns", [(1.02 / 0.9, False), (0.95, True)], ids=["above", "below"])
@@ -184,10 +184,10 @@ def test_stop_at_the_limit_commits_a_checkpoint_and_exits_76(prefect_harness, ca
     assert any(r.role == "flow-run" for r in limit.related)
 
     # As the message says: the same run with full recompute resumes from that checkpoint and finishes.
-    from memfit import config, pipeline
+    from memfit import config, phases
 
     again = config.load(TINY, [*sets, "memory.policy=full"])
-    resume = pipeline.recover(again)
+    resume = phases.recover_training_checkpoint(again)
     assert resume.step == infos[0].step
     report = _train(again, policy="full", resume=resume)
     assert report.resumed_from == infos[0].step and report.steps == 6

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit import export as ex
 from memfit.errors import ExportError
-from memfit.parity import ParityCriteria
+from memfit.release import formats as ex
+from memfit.release.parity import ParityCriteria
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")]
 REPO = Path(__file__).resolve().parents[2]

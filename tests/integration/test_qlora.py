@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memfit import pipeline
+from memfit import phases
 from memfit.errors import Preempted
 from memfit.tracking.null import NullTracker
 
@@ -21,9 +21,9 @@ QLORA = {"lora.enabled": "true", "lora.quantize": "nf4", "lora.r": 8, "train.pre
 
 
 def _train(cfg):
-    report = pipeline.probe(cfg)
-    plan = pipeline.setup_stack(cfg, report)
-    return plan, pipeline.train(cfg, plan, pipeline.recover(cfg), report)
+    report = phases.check_environment_and_probe(cfg)
+    plan = phases.plan_stack(cfg, report)
+    return plan, phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), report)
 
 
 def _newest(root: Path) -> dict[str, torch.Tensor]:
@@ -40,7 +40,7 @@ def test_qlora_trains_and_exports_a_plain_model_that_passes_parity(tiny_config, 
     # The training checkpoint holds the adapters only: the 4-bit base is rebuilt from the model source.
     saved = _newest(tmp_path / "checkpoints")
     assert saved and all(".lora_" in k for k in saved) and all(v.dtype == torch.float32 for v in saved.values())
-    exported = pipeline.evaluate_and_export(cfg, result)
+    exported = phases.evaluate_and_release(cfg, result)
     assert exported.final_val_loss < result.initial_val_loss - 0.1
     assert exported.onnx_path and exported.onnx_max_abs_diff is not None
     model = AutoModelForCausalLM.from_pretrained(exported.safetensors_dir)

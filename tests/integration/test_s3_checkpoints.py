@@ -15,7 +15,7 @@ import pytest
 import torch
 from fixtures.faults import FakeMetadata, FaultProxy
 
-from memfit import pipeline
+from memfit import phases, run_context
 from memfit.checkpoints import MANIFEST, CheckpointManager, take_snapshot
 from memfit.errors import CheckpointError, Preempted
 from memfit.reports import PlanReport
@@ -149,7 +149,7 @@ def _train(cfg):
     t = cfg.train
     plan = PlanReport(policy="none", every_k=2, precision=t.precision, micro_batch_size=t.micro_batch_size,
                       grad_accum_steps=t.grad_accum_steps, reason="test", description="none")
-    return pipeline.train(cfg, plan, pipeline.recover(cfg))
+    return phases.train(cfg, plan, phases.recover_training_checkpoint(cfg))
 
 
 def _at_step(monkeypatch, at: int, action) -> None:
@@ -209,7 +209,7 @@ def test_training_rides_out_an_s3_outage(proxy, s3_bucket, s3_client, small, tmp
     # The step-4 save started inside the 2.5 s outage and committed only after it; training went on.
     took = re.search(r"step 4 committed to \S+ \((\d+\.\d+) s", caplog.text)
     assert took and float(took.group(1)) >= 1.5, caplog.text[-2000:]
-    m = pipeline.checkpoint_manager(cfg)
+    m = run_context.checkpoint_manager(cfg)
     assert [i.step for i in m.list()] == [6, 8]
     assert m.latest(tmp_path / "dl").step == 8
     assert result.checkpoint_stats["saves"] == 4 and result.checkpoint_stats["skipped"] == 0
@@ -224,7 +224,7 @@ def test_training_fails_loudly_when_s3_stays_down(proxy, s3_bucket, s3_client, s
         _train(cfg)
     assert "cannot reach" in str(info.value)
     proxy.set_mode("pass")
-    m = pipeline.checkpoint_manager(cfg)
+    m = run_context.checkpoint_manager(cfg)
     assert [i.step for i in m.list()] == [2]  # step 4 never became a checkpoint
     assert m.latest(tmp_path / "dl").step == 2
 
@@ -241,7 +241,7 @@ def test_spot_notice_from_the_environment_preempts_training(small, monkeypatch):
         with pytest.raises(Preempted, match="spot interruption notice: terminate at 2026-11-30T12:02:00Z") as info:
             _train(cfg)
         assert info.value.exit_code == 75
-        steps = [i.step for i in pipeline.checkpoint_manager(cfg).list()]
+        steps = [i.step for i in run_context.checkpoint_manager(cfg).list()]
         assert len(steps) == 1 and 3 <= steps[0] < 30  # saved soon after the notice, not at the end
         assert any(p.endswith("instance-action") for _, p, _ in imds.requests)
     finally:
@@ -256,7 +256,7 @@ def test_rebalance_recommendation_saves_a_checkpoint_and_training_goes_on(small,
         _at_step(monkeypatch, 3, lambda: setattr(imds, "rebalance", {"noticeTime": "2026-11-30T11:58:00Z"}))
         result = _train(cfg)
         assert result.steps == 8 and not result.preempted
-        steps = [i.step for i in pipeline.checkpoint_manager(cfg).list()]
+        steps = [i.step for i in run_context.checkpoint_manager(cfg).list()]
         assert len(steps) == 2 and 3 <= steps[0] < 8 and steps[1] == 8
     finally:
         imds.close()
@@ -270,9 +270,9 @@ def test_checkpoint_endpoint_and_region_come_from_the_config(s3_bucket, monkeypa
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # wrong on purpose: the config wins
     cfg = config.load(None, [f"checkpoint.uri=s3://{bucket}/cfg", f"checkpoint.endpoint_url={endpoint}",
                              "checkpoint.region=eu-west-1", f"run.work_dir={tmp_path}"])
-    store = pipeline.open_checkpoint_store(cfg)
+    store = run_context.open_checkpoint_store(cfg)
     store.check_writable()
     assert store.endpoint == endpoint and store.client.meta.region_name == "eu-west-1"
     local = config.load(None, [f"checkpoint.uri={tmp_path / 'ckpt'}", f"checkpoint.endpoint_url={endpoint}"])
     with pytest.raises(ConfigError, match="checkpoint.endpoint_url only applies to s3:// uris"):
-        pipeline.open_checkpoint_store(local)
+        run_context.open_checkpoint_store(local)

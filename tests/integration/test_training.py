@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memfit import pipeline
+from memfit import phases
 from memfit.errors import ConfigError, Preempted
 from memfit.tracking.null import NullTracker
 
@@ -24,7 +24,7 @@ def _final_weights(ckpt_root: Path) -> dict[str, torch.Tensor]:
 
 def test_probe_measures_a_real_step(tiny_config):
     cfg = tiny_config()
-    report = pipeline.probe(cfg)
+    report = phases.check_environment_and_probe(cfg)
     b = report.baseline
     assert b["peak_bytes"] > 0 and b["fits"] is True and b["budget_bytes"] is None
     assert b["breakdown"]["activations"] > 0 and b["breakdown"]["params"] > 0
@@ -34,42 +34,42 @@ def test_probe_measures_a_real_step(tiny_config):
     # A simulated budget below the measured peak is a would-OOM verdict, with numbers, and the estimator's
     # breakdown of what does not fit.
     budget_gb = b["peak_bytes"] * 0.7 / 1e9
-    tight = pipeline.probe(tiny_config(**{"memory.budget_gb": budget_gb}))
+    tight = phases.check_environment_and_probe(tiny_config(**{"memory.budget_gb": budget_gb}))
     assert tight.baseline["fits"] is False and tight.baseline["headroom_bytes"] < 0
     assert "would OOM" in tight.baseline["message"] and "estimator" in tight.baseline["message"]
     assert tight.baseline["estimate"]["breakdown"]["activations"] > 0
-    plan = pipeline.setup_stack(tiny_config(**{"memory.budget_gb": budget_gb}), tight)
+    plan = phases.plan_stack(tiny_config(**{"memory.budget_gb": budget_gb}), tight)
     assert plan.policy != "none" and plan.fits is True
     assert plan.predicted_peak_bytes <= budget_gb * 1e9
-    assert pipeline.setup_stack(cfg, report).policy == "none"
+    assert phases.plan_stack(cfg, report).policy == "none"
 
 
 def test_probe_measures_bf16_true_with_bf16_weights_and_reports_weights_that_do_not_fit(tiny_config, monkeypatch):
-    fp32 = pipeline.probe(tiny_config()).baseline["breakdown"]
-    bf16 = pipeline.probe(tiny_config(**{"train.precision": "bf16-true"})).baseline["breakdown"]
+    fp32 = phases.check_environment_and_probe(tiny_config()).baseline["breakdown"]
+    bf16 = phases.check_environment_and_probe(tiny_config(**{"train.precision": "bf16-true"})).baseline["breakdown"]
     assert bf16["params"] * 2 == fp32["params"]  # the step the trainer runs: pure bf16 weights
     # Weights too big for the device: an OOM verdict naming them (and the estimator's breakdown), no step run.
     from memfit.memory.probe import StepMemory
 
     oom = StepMemory(peak_bytes=0, oom=True, method="cuda.max_memory_allocated",
                      error="the weights alone do not fit on cuda: CUDA out of memory. Tried to allocate 16.00 GiB")
-    monkeypatch.setattr(pipeline, "weights_to_device", lambda model, device: oom)
-    b = pipeline.probe(tiny_config()).baseline
+    monkeypatch.setattr(phases, "weights_to_device", lambda model, device: oom)
+    b = phases.check_environment_and_probe(tiny_config()).baseline
     assert b["oom"] is True and b["fits"] is False
     assert "the weights alone do not fit on cuda" in b["message"] and "estimator" in b["message"]
 
 
 def test_offload_on_cpu_is_a_clear_error(tiny_config):
     cfg = tiny_config(**{"memory.policy": "offload"})
-    report = pipeline.probe(tiny_config())
+    report = phases.check_environment_and_probe(tiny_config())
     with pytest.raises(ConfigError, match="memory.policy"):
-        pipeline.setup_stack(cfg, report)
+        phases.plan_stack(cfg, report)
 
 
 def _train(cfg):
-    report = pipeline.probe(cfg)
-    plan = pipeline.setup_stack(cfg, report)
-    return pipeline.train(cfg, plan, pipeline.recover(cfg), report)
+    report = phases.check_environment_and_probe(cfg)
+    plan = phases.plan_stack(cfg, report)
+    return phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), report)
 
 
 def test_loss_falls_and_checkpoints_are_kept(tiny_config, tmp_path):
@@ -101,7 +101,7 @@ def test_sigterm_saves_and_resume_is_bitwise_identical(tiny_config, tmp_path, mo
     assert (tmp_path / "interrupted" / "step-00000005" / "manifest.json").exists()
     monkeypatch.setattr(NullTracker, "log_metrics", original)
 
-    resume = pipeline.recover(cfg)
+    resume = phases.recover_training_checkpoint(cfg)
     assert resume.step == 5 and not resume.finished
     result = _train(cfg)
     assert result.resumed_from == 5 and result.steps == 8
@@ -110,7 +110,7 @@ def test_sigterm_saves_and_resume_is_bitwise_identical(tiny_config, tmp_path, mo
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
 
     # A finished run is not retrained.
-    again = pipeline.recover(cfg)
+    again = phases.recover_training_checkpoint(cfg)
     assert again.finished
     report = _train(cfg)
     assert report.steps == 8 and report.start_step == 8

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from memfit.parity import NOISE_RELATIVE, ParityCriteria, parity_failure, shape_parity
+from memfit.release.parity import NOISE_RELATIVE, ParityCriteria, parity_failure, shape_parity
 
 
 def _logits(batch=2, seq=16, vocab=500, scale=20.0, seed=0):

@@ -9,7 +9,7 @@ import pytest
 
 from memfit import config
 from memfit.errors import TrackingError
-from memfit.registry import gate
+from memfit.release.registry import gate
 from memfit.tracking import NullTracker, make_tracker, redact, scrub
 from memfit.tracking.base import REDACTED, scrub_obj
 
@@ -129,7 +129,7 @@ def test_sqlite_store_in_a_missing_folder_is_named(tmp_path):
 
 
 def test_plan_table_lists_plan_and_probe():
-    from memfit.evaluation import plan_table
+    from memfit.run_context import plan_table
 
     md = plan_table({"policy": "full", "precision": "fp32", "reason": "over budget"},
                     {"peak_bytes": 2e9, "budget_bytes": 1e9, "fits": False, "breakdown": {"activation": 1.5e9}})
@@ -138,15 +138,15 @@ def test_plan_table_lists_plan_and_probe():
 
 
 def test_preflight_checks_the_tracking_server_before_any_work(tmp_path, caplog):
-    from memfit import pipeline
+    from memfit.preflight import preflight
 
     uri = f"http://127.0.0.1:{_closed_port()}"
     outputs = [f"run.work_dir={tmp_path / 'w'}", f"export.dir={tmp_path / 'e'}", f"checkpoint.uri={tmp_path / 'c'}",
                f"tracking.uri={uri}"]
     with pytest.raises(TrackingError, match=f"tracking.uri {uri}: MLflow server unreachable"):
-        pipeline.preflight(config.load(None, outputs))
+        preflight(config.load(None, outputs))
     with caplog.at_level(logging.WARNING, logger="memfit.tracking"):
-        pipeline.preflight(config.load(None, [*outputs, "tracking.fail_if_unreachable=false"]))
+        preflight(config.load(None, [*outputs, "tracking.fail_if_unreachable=false"]))
     assert any("WITHOUT tracking" in r.getMessage() for r in caplog.records)
 
 

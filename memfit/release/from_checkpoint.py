@@ -38,7 +38,7 @@ class ExportFiles:
     onnx_opset: int | None = None
     # The absolute bound (onnx_atol + onnx_rtol x max |logit|) at the shape where the difference was largest.
     onnx_atol: float | None = None
-    onnx_parity: list[dict[str, Any]] | None = None  # memfit.parity.ShapeParity per verification shape
+    onnx_parity: list[dict[str, Any]] | None = None  # memfit.release.parity.ShapeParity per verification shape
     onnx_criteria: dict[str, float] | None = None
     onnx_error: str | None = None  # why the ONNX export failed; the SafeTensors export is still valid
     uploaded_uri: str | None = None
@@ -119,8 +119,8 @@ def model_for_checkpoint(cfg: Any, work_dir: Path) -> tuple[Any, Any]:
 
 # -- exporting ----------------------------------------------------------------------------------------
 def parity_criteria(export_cfg: Any) -> Any:
-    """memfit.parity.ParityCriteria from ExportConfig's onnx_* fields."""
-    from memfit.parity import ParityCriteria
+    """memfit.release.parity.ParityCriteria from ExportConfig's onnx_* fields."""
+    from memfit.release.parity import ParityCriteria
 
     return ParityCriteria(rtol=export_cfg.onnx_rtol, atol=export_cfg.onnx_atol, min_top1=export_cfg.onnx_min_top1,
                           max_kl=export_cfg.onnx_max_kl)
@@ -136,8 +136,8 @@ def export_model(model: Any, tokenizer: Any, out_dir: str | Path, *, onnx: bool 
     """
     import torch
 
-    from memfit.export import export_onnx, export_safetensors
-    from memfit.parity import ParityCriteria
+    from memfit.release.formats import export_onnx, export_safetensors
+    from memfit.release.parity import ParityCriteria
 
     out = Path(out_dir).absolute()
     # export.dtype: the SafeTensors weights' dtype; ONNX and its parity check stay fp32.
@@ -184,7 +184,7 @@ def _export_paths(files: ExportFiles) -> dict[str, Path]:
 
 def upload_export(files: ExportFiles, uri: str, metadata: dict[str, Any] | None = None) -> str:
     """Upload every export file to `uri` (a folder or s3://…), then manifest.json last, which commits it."""
-    from memfit.export import sha256_file
+    from memfit.files import file_record
     from memfit.storage import open_store
 
     store = open_store(uri)
@@ -193,7 +193,7 @@ def upload_export(files: ExportFiles, uri: str, metadata: dict[str, Any] | None 
     manifest_files = {}
     for key, path in _export_paths(files).items():
         store.put_file(path, key)
-        manifest_files[key] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        manifest_files[key] = file_record(path)
     manifest = {"format": EXPORT_FORMAT, "memfit_version": memfit.__version__,
                 "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
                 "onnx_max_abs_diff": files.onnx_max_abs_diff, "metadata": metadata or {}, "files": manifest_files}
@@ -204,7 +204,7 @@ def upload_export(files: ExportFiles, uri: str, metadata: dict[str, Any] | None 
 
 def download_export(uri: str, dest: str | Path) -> Path:
     """Download an uploaded export and check every file against its manifest; returns the local folder."""
-    from memfit.export import sha256_file
+    from memfit.files import sha256_file
     from memfit.storage import KeyNotFound, open_store
 
     store, dest = open_store(uri), Path(dest)

@@ -17,7 +17,7 @@ from memfit.errors import TrackingError
 
 log = logging.getLogger("memfit.registry")
 
-MODEL_CODE = Path(__file__).with_name("serving") / "causal_lm.py"
+MODEL_CODE = Path(__file__).with_name("pyfunc.py")  # copied into each logged model: loading never imports memfit
 GATE_METRIC = "val_perplexity"
 # Tags on a model version, so a champion's figures survive even if its run is deleted.
 TAG_PREFIX = "memfit."
@@ -231,7 +231,8 @@ def fetch_champion(tracking_uri: str, name: str, dest: str | Path, alias: str = 
     """Download `name@alias` and return its SafeTensors folder, checksums verified (for fine-tuning from it)."""
     from mlflow.artifacts import download_artifacts
 
-    from memfit.export import MANIFEST_NAME, sha256_file
+    from memfit.files import sha256_file
+    from memfit.release.formats import MANIFEST_NAME
 
     dest = Path(dest)
     shutil.rmtree(dest, ignore_errors=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime as _dt
-import hashlib
 import io
 import json
 import os
-import secrets
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,8 +19,8 @@ from torch import nn
 
 import memfit
 from memfit.errors import ExportError
-from memfit.parity import ParityCriteria, ShapeParity, parity_failure, shape_parity
-from memfit.preflight import probe_writable
+from memfit.files import commit_folder, file_record, fsync_tree, probe_writable, sha256_file, temporary_sibling
+from memfit.release.parity import ParityCriteria, ShapeParity, parity_failure, shape_parity
 
 MANIFEST_NAME = "memfit-export.json"
 # Beside an ONNX file: <name>.memfit.json (memfit version, source run, parity per shape, checksums).
@@ -33,7 +33,6 @@ DEFAULT_SHAPES = ((1, 8), (2, 16), (3, 5))
 # 1.5 GiB of initializers; we decide from the parameter bytes with the same margin so the choice is
 # ours and recorded, not a side effect.
 EXTERNAL_DATA_BYTES = int(1.5 * 1024**3)
-_CHUNK = 1 << 20
 
 
 @dataclass
@@ -54,15 +53,6 @@ class OnnxExport:
     per_shape: list[ShapeParity] | None = None
     metadata_path: str | None = None
     criteria: ParityCriteria | None = None
-
-
-def sha256_file(path: str | Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks so multi-GB weights never sit in memory."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def prepare_for_inference(model: nn.Module) -> nn.Module:
@@ -98,7 +88,7 @@ def _vocab_size(model: nn.Module) -> int:
     return int(model.config.vocab_size)
 
 
-def _sample_ids(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
+def sample_ids(vocab: int, batch: int, seq: int, seed: int) -> torch.Tensor:
     # Own generator: deterministic without touching the global RNG a training run may rely on.
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g, dtype=torch.long)
@@ -109,8 +99,8 @@ def _device_of(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def _writable_dir(folder: Path, what: str) -> None:
-    """Create `folder` if needed and prove it is writable now, before minutes of export work."""
+def _ready_to_write(model: nn.Module, folder: Path, what: str) -> None:
+    """Prove `folder` (created if needed) is writable now, before minutes of export work; then prepare `model`."""
     try:
         probe_writable(folder)
     except OSError as e:
@@ -118,34 +108,19 @@ def _writable_dir(folder: Path, what: str) -> None:
             f"cannot write the {what} into {folder}: {e.strerror or e}. "
             "Choose an output folder you can write to, or fix its permissions."
         ) from e
+    prepare_for_inference(model)
 
 
-def _fsync_tree(root: Path) -> None:
-    # Renames are atomic, but without fsync a crash right after one can leave empty files behind it.
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-
-
-def _move_dir_into_place(tmp: Path, out_dir: Path) -> None:
-    """Swap `tmp` in as `out_dir`; an existing out_dir is renamed aside first and deleted last."""
-    old = None
-    if out_dir.exists() or out_dir.is_symlink():
-        if not out_dir.is_dir():
-            raise ExportError(f"{out_dir} exists and is not a folder; remove it or choose another out_dir.")
-        old = out_dir.parent / f".{out_dir.name}.old-{secrets.token_hex(4)}"
-        os.rename(out_dir, old)
+@contextmanager
+def _staging(final: Path, what: str) -> Iterator[Path]:
+    """A temporary name beside `final` to stage in, removed afterwards; an OSError becomes one clear line."""
+    tmp = temporary_sibling(final)
     try:
-        os.rename(tmp, out_dir)
-    except OSError:
-        if old is not None:
-            os.rename(old, out_dir)  # put the previous export back: never leave no out_dir at all
-        raise
-    if old is not None and old.is_symlink():
-        old.unlink()  # out_dir was a link to a folder: drop the link, not what it points to
-    elif old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        yield tmp
+    except OSError as e:
+        raise ExportError(f"writing the {what} to {final} failed: {e}. Check free disk space and permissions.") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @torch.no_grad()
@@ -176,16 +151,14 @@ def export_safetensors(
             f"the model carries PEFT adapters; merge them first (model = model.merge_and_unload()) "
             f"before exporting to {out_dir}."
         )
-    _writable_dir(out_dir.parent, "SafeTensors export")
-    prepare_for_inference(model)
+    _ready_to_write(model, out_dir.parent, "SafeTensors export")
     vocab = _vocab_size(model)
     if sample_input_ids is None:
-        sample_input_ids = _sample_ids(vocab, *EXAMPLE_SHAPE, seed=0)
+        sample_input_ids = sample_ids(vocab, *EXAMPLE_SHAPE, seed=0)
     elif int(sample_input_ids.max()) >= vocab or int(sample_input_ids.min()) < 0:
         raise ExportError(f"sample_input_ids must lie in [0, {vocab}) (the model's vocabulary).")
 
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
-    try:
+    with _staging(out_dir, "SafeTensors export") as tmp:
         # transformers 5 always writes safetensors: `safe_serialization` is gone from save_pretrained
         # (it would land silently in **kwargs), so we check for the files instead of asking for them.
         model.save_pretrained(tmp)
@@ -217,11 +190,7 @@ def export_safetensors(
             if again(text)["input_ids"] != tokenizer(text)["input_ids"]:
                 raise ExportError(f"the tokenizer saved for {out_dir} encodes differently after reloading.")
 
-        files = {
-            p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file()
-        }
+        files = {p.relative_to(tmp).as_posix(): file_record(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {
             "memfit_version": memfit.__version__,
             "format": "safetensors",
@@ -233,18 +202,14 @@ def export_safetensors(
         }
         # default=str: a Path or datetime in user metadata should not sink an export that passed.
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-        _fsync_tree(tmp)
-        _move_dir_into_place(tmp, out_dir)
-    except OSError as e:
-        raise ExportError(
-            f"writing the SafeTensors export to {out_dir} failed: {e}. Check free disk space and permissions."
-        ) from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            commit_folder(tmp, out_dir)
+        except NotADirectoryError:
+            raise ExportError(f"{out_dir} exists and is not a folder; remove it or choose another out_dir.") from None
     return SafetensorsExport(dir=str(out_dir), max_abs_diff=diff, files=files)
 
 
-class _LogitsOnly(nn.Module):
+class LogitsOnly(nn.Module):
     """input_ids -> logits: one tensor in, one out, no cache objects for the exporter to trace."""
 
     def __init__(self, model: nn.Module):
@@ -271,12 +236,12 @@ def _fp32_cpu(model: nn.Module) -> nn.Module:
 def _parity(path: Path, model: nn.Module, shapes) -> list[ShapeParity]:
     import onnxruntime as ort
 
-    wrapper = _LogitsOnly(_fp32_cpu(model)).eval()
+    wrapper = LogitsOnly(_fp32_cpu(model)).eval()
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     vocab = _vocab_size(model)
     out = []
     for i, (batch, seq) in enumerate(shapes):
-        ids = _sample_ids(vocab, batch, seq, seed=1000 + i)
+        ids = sample_ids(vocab, batch, seq, seed=1000 + i)
         with torch.no_grad():
             ref = wrapper(ids).float().numpy()
         got = session.run(["logits"], {"input_ids": ids.numpy()})[0]
@@ -328,24 +293,22 @@ def export_onnx(
             f"ONNX verification shapes {shapes} must include one whose batch and sequence both differ from "
             f"the export example {example_shape}, to prove the axes are dynamic; add e.g. (3, 5)."
         )
-    _writable_dir(out_path.parent, "ONNX export")
-    prepare_for_inference(model)
+    _ready_to_write(model, out_path.parent, "ONNX export")
     src = _fp32_cpu(model)
     external = sum(p.numel() * 4 for p in src.parameters()) > EXTERNAL_DATA_BYTES
 
     # A temporary folder beside out_path, holding the file under its final name: external data is
     # referenced by file name from inside the .onnx, so the name must not change when it is moved.
-    tmp = out_path.parent / f".{out_path.name}.tmp-{secrets.token_hex(4)}"
     data_name = out_path.name + ".data"
-    try:
+    with _staging(out_path, "ONNX export") as tmp:
         tmp.mkdir()
-        example = _sample_ids(_vocab_size(src), *example_shape, seed=0)
+        example = sample_ids(_vocab_size(src), *example_shape, seed=0)
         log = io.StringIO()
         try:
             # The dynamo exporter reports progress on stdout; keep it for the error message only.
             with contextlib.redirect_stdout(log):
                 program = torch.onnx.export(
-                    _LogitsOnly(src).eval(),
+                    LogitsOnly(src).eval(),
                     (example,),
                     dynamo=True,
                     input_names=["input_ids"],
@@ -363,7 +326,10 @@ def export_onnx(
         staged = tmp / out_path.name
         program.save(staged, external_data=external)
         del program
-        onnx.checker.check_model(str(staged))  # by path, so external data is found and > 2 GB is allowed
+        try:
+            onnx.checker.check_model(str(staged))  # by path, so external data is found and > 2 GB is allowed
+        except onnx.checker.ValidationError as e:
+            raise ExportError(f"the exported ONNX model for {out_path} fails onnx.checker: {e}") from e
         proto = onnx.load(str(staged), load_external_data=False)
         opset_found = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
         del proto
@@ -373,8 +339,7 @@ def export_onnx(
         has_data = (tmp / data_name).exists()
         files = {out_path.name: {"bytes": staged.stat().st_size, "sha256": digest}}
         if has_data:
-            data = tmp / data_name
-            files[data_name] = {"bytes": data.stat().st_size, "sha256": sha256_file(data)}
+            files[data_name] = file_record(tmp / data_name)
         meta_doc = {
             "memfit_version": memfit.__version__,
             "format": "onnx",
@@ -389,7 +354,7 @@ def export_onnx(
             "files": files,
         }
         meta_path = out_path.parent / (out_path.name + ONNX_METADATA_SUFFIX)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         # Weights first, graph last: the .onnx appearing is the signal that the export is complete.
         if has_data:
             os.replace(tmp / data_name, out_path.parent / data_name)
@@ -401,14 +366,6 @@ def export_onnx(
         staged_meta = tmp / meta_path.name
         staged_meta.write_text(json.dumps(meta_doc, indent=2, default=str) + "\n")
         os.replace(staged_meta, meta_path)
-    except onnx.checker.ValidationError as e:
-        raise ExportError(f"the exported ONNX model for {out_path} fails onnx.checker: {e}") from e
-    except OSError as e:
-        raise ExportError(
-            f"writing the ONNX export to {out_path} failed: {e}. Check free disk space and permissions."
-        ) from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return OnnxExport(
         path=str(out_path),
         opset=int(opset_found),

@@ -1,4 +1,4 @@
-"""The five phases as plain functions over the config; Prefect tasks wrap them one to one."""
+"""The five phases of a run, in the order they run, as plain functions over the config (tasks/ wraps each)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ from memfit.memory.search import estimate_policy, plan_for, plan_table_markdown,
 from memfit.preemption import stop_on_signals
 from memfit.preflight import open_checkpoint_store, preflight
 from memfit.reports import ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
-from memfit.run_context import (  # noqa: F401 - also this module's public names, as callers know them
-    Inputs,
+from memfit.run_context import (
     build_training_model,
     checkpoint_manager,
     load_inputs,
@@ -39,11 +38,11 @@ from memfit.spot import spot_watcher
 from memfit.tracking import make_tracker
 from memfit.tracking.base import scrub_obj
 
-log = logging.getLogger("memfit.pipeline")
+log = logging.getLogger("memfit.phases")
 
 
 # -- phase 1 ------------------------------------------------------------------------------------------
-def probe(cfg: MemfitConfig) -> ProbeReport:
+def check_environment_and_probe(cfg: MemfitConfig) -> ProbeReport:
     """Environment report, then one real training step with no gradient checkpointing, against the budget."""
     preflight(cfg)
     device = resolve_device(cfg.train.device)
@@ -85,21 +84,8 @@ def probe(cfg: MemfitConfig) -> ProbeReport:
                        n_params=n_params, architecture=model_config)
 
 
-def _hf_config(config_dict: dict[str, Any] | None) -> Any:
-    if not config_dict:
-        return None
-    from transformers import AutoConfig
-
-    d = dict(config_dict)
-    return AutoConfig.for_model(d.pop("model_type"), **d)
-
-
-def _source_name(cfg: MemfitConfig) -> str:
-    return cfg.model.name_or_path or f"preset:{cfg.model.preset}"
-
-
 # -- phase 2 ------------------------------------------------------------------------------------------
-def setup_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
+def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
     """Choose the optimisation stack with the memory planner (or estimate a fixed memory.policy)."""
     device = probe_report.environment["device"]
     if cfg.memory.policy == "offload" and device["type"] != "cuda":
@@ -137,8 +123,10 @@ def setup_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
     return plan_distributed(cfg, probe_report, report)
 
 
-# -- phase 4 ------------------------------------------------------------------------------------------
-def recover(cfg: MemfitConfig) -> ResumePoint:
+# -- phase 4, run before phase 3 ---------------------------------------------------------------------
+# Recovery comes before training's loop because the loop starts from what it finds: the step, the weights,
+# the optimizer and RNG states and the MLflow run of the newest verified training checkpoint (none: step 0).
+def recover_training_checkpoint(cfg: MemfitConfig) -> ResumePoint:
     """Find the newest training checkpoint of this run that verifies, download it, check it is this run's."""
     store = open_checkpoint_store(cfg)
     store.check_writable()  # a missing bucket or bad credentials fail here, before any training
@@ -229,12 +217,12 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
 
 
 # -- phase 5 ------------------------------------------------------------------------------------------
-def evaluate_and_export(cfg: MemfitConfig, train_report: TrainReport) -> ExportReport:
+def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> ExportReport:
     """Load the final training checkpoint, evaluate, export SafeTensors + ONNX (verified), gate and register."""
     from memfit.evaluation import generate_samples, log_generations, perplexity
-    from memfit.exporting import config_from_checkpoint
     from memfit.lora import merged_from_state
-    from memfit.release import release
+    from memfit.release.from_checkpoint import config_from_checkpoint
+    from memfit.release.publish import release
     from memfit.training.loop import evaluate_loss
 
     device = resolve_device(cfg.train.device)
@@ -280,6 +268,7 @@ def evaluate_and_export(cfg: MemfitConfig, train_report: TrainReport) -> ExportR
                                      "source_checkpoint": final.info.uri, "generations": samples})
 
 
+# -- around the phases: a finished run's report, `memfit launch-node`, helpers ------------------------
 def finished_train_report(cfg: MemfitConfig, resume: ResumePoint) -> TrainReport:
     """A finished run is not retrained: its report comes from the final training checkpoint."""
     state = json.loads((Path(resume.local_dir) / "state.json").read_text()) if resume.local_dir else {}
@@ -304,9 +293,22 @@ def launch_node(cfg: MemfitConfig) -> TrainReport | None:
         raise ConfigError("memfit launch-node is for multi-process runs: set distributed.nnodes / nproc_per_node")
     # The same plan as node 0 (a pure function of the config and this node's probe) and this node's own copy
     # of the training checkpoint to resume from.
-    plan = setup_stack(cfg, probe(cfg))
-    resume = recover(cfg)
+    plan = plan_stack(cfg, check_environment_and_probe(cfg))
+    resume = recover_training_checkpoint(cfg)
     if resume.finished:
         log.info("run already finished at step %s: nothing to do on this node", resume.step)
         return None
     return train_distributed(cfg, plan, resume, None)
+
+
+def _hf_config(config_dict: dict[str, Any] | None) -> Any:
+    if not config_dict:
+        return None
+    from transformers import AutoConfig
+
+    d = dict(config_dict)
+    return AutoConfig.for_model(d.pop("model_type"), **d)
+
+
+def _source_name(cfg: MemfitConfig) -> str:
+    return cfg.model.name_or_path or f"preset:{cfg.model.preset}"

@@ -10,8 +10,8 @@ from typing import Any
 
 from memfit.config import MemfitConfig
 from memfit.evaluation import log_loss_curve, run_description
-from memfit.exporting import ExportFiles, export_model, onnx_redo_command, parity_criteria, upload_export
-from memfit.registry import publish
+from memfit.release.from_checkpoint import ExportFiles, export_model, onnx_redo_command, parity_criteria, upload_export
+from memfit.release.registry import publish
 from memfit.reports import ExportReport
 from memfit.tracking.mlflow_tracker import MLflowTracker
 
