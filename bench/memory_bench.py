@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from technique_rows import technique_rows  # noqa: E402
 
 from memfit.config import MemoryConfig  # noqa: E402
 from memfit.memory.compose import Estimate, Stack  # noqa: E402
@@ -223,6 +226,8 @@ def write_outputs(modes: list[Mode], none: Mode, full: Mode, args, out: Path, ex
             f"{args.steps} steps per mode; none = {base_t:.3f} s/step. Measured first, the estimator's prediction in "
             "parentheses.")
     md = f"{head}\n\n{table}\n\nTargets:\n\n{check_md}\n"
+    if extra.get("techniques_table"):
+        md += f"\nLoss, optimizer and step in backward (bench/technique_rows.py):\n\n{extra['techniques_table']}\n"
     (out / "memory_bench.md").write_text(md)
     (out / "memory_bench.json").write_text(json.dumps({"args": vars(args), "rows": data, **extra,
                                                         "checks": [list(c) for c in checks]}, indent=2))
@@ -302,6 +307,7 @@ def main() -> None:
                     help="process CPU time or wall time (default: cpu on CPU, wall on CUDA)")
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--quick", action="store_true", help="4 blocks x 128, seq 128, 2 rounds of 2 steps")
+    ap.add_argument("--no-techniques", action="store_true", help="skip the chunked-loss and optimizer rows")
     ap.add_argument("--replot", metavar="JSON", help="redraw the PNG from a memory_bench.json, run nothing")
     args = ap.parse_args()
     if args.replot:
@@ -350,7 +356,10 @@ def main() -> None:
               f"  peak {m.measured_peak / MB:8.1f} MB (est {m.estimate.peak_bytes / MB:8.1f})", flush=True)
     print("timing ...", flush=True)
     time_blocks(model, optimizer, modes, args)
-    extra = {"llama3_8b_seconds": llama3_8b_seconds()}
+    extra: dict = {"llama3_8b_seconds": llama3_8b_seconds()}
+    if not args.no_techniques:
+        print("memory techniques besides checkpointing ...", flush=True)
+        extra["techniques_table"], extra["techniques"] = technique_rows(build, args, est, clock)
     md = write_outputs(modes, none, full, args, out, extra)
     print(md)
     print(f"wrote {out / 'memory_bench.md'}, {out / 'memory_bench.json'}, {out / 'memory_bench.png'}")

@@ -7,8 +7,9 @@ import logging
 import os
 import sys
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -43,7 +44,7 @@ def _environment() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _fail(err: BaseException, hint: str = "") -> None:
+def _fail(err: BaseException, hint: str = "") -> NoReturn:
     code = getattr(err, "exit_code", 2)
     typer.echo(f"error: {err}{hint}", err=True)
     raise typer.Exit(code)
@@ -53,6 +54,19 @@ def _load(config: Path | None, overrides: list[str] | None) -> Any:
     from memfit import config as cfgmod
 
     return cfgmod.load(config, overrides or [])
+
+
+def _phase(config: Path | None, overrides: list[str] | None, name: str) -> tuple[Any, Any]:
+    """The resolved config and `memfit.phases.<name>(config)` (imported only now: torch comes with it);
+    bad input is one line and exit 2."""
+    _environment()
+    try:
+        cfg = _load(config, overrides)
+        from memfit import phases
+
+        return cfg, getattr(phases, name)(cfg)
+    except MemfitError as err:
+        _fail(err)
 
 
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show Prefect's tracebacks on the terminal too.")]
@@ -75,17 +89,19 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
         preflight(cfg)
         from flows.ephemeral import start_ephemeral_server
 
-        # No PREFECT_API_URL: a server that cannot outlive this process, starting while torch and the flow import.
+        # No PREFECT_API_URL: the server boots in a process of its own from here on, while this one imports
+        # torch, the flow and Prefect (nothing heavy is imported before this line; tests check it).
         server = start_ephemeral_server()
         from flows.console import quiet_expected_errors
         from flows.finetune import finetune
+        from flows.startup import warm_up
 
         if not debug:
             quiet = quiet_expected_errors(Path(cfg.run.work_dir) / "logs" / "errors.log",
                                           lambda: _GUARD is not None and _GUARD.signalled)
-        if server is not None:
-            server.wait()
-        summary = finetune(config=cfg)
+        warm_up(cfg)  # what the phases would import and open later, done while the server still boots
+        with server.serving() if server is not None else nullcontext():
+            summary = finetune(config=cfg)
     except OnnxExportFailed as err:  # everything else is done: the summary first, then the one line
         _print_summary(err.summary, as_json)
         _fail(err)
@@ -121,14 +137,7 @@ def _print_summary(summary: Any, as_json: bool) -> None:
 @app.command()
 def probe(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False) -> None:
     """Phase 1 alone: environment report and one real plain training step against the memory budget."""
-    _environment()
-    try:
-        cfg = _load(config, set_)
-        from memfit.phases import check_environment_and_probe as run_probe
-
-        report = run_probe(cfg)
-    except MemfitError as err:
-        _fail(err)
+    _, report = _phase(config, set_, "check_environment_and_probe")
     if as_json:
         typer.echo(json.dumps(report.model_dump(mode="json"), sort_keys=True))
     else:
@@ -184,6 +193,29 @@ def serve(config: ConfigArg = None, set_: SetOpt = None,
         serve_deployments(cfg, limit=limit)
     except MemfitError as err:
         _fail(err)
+@app.command("serve-model")
+def serve_model(
+    model: Annotated[str | None, typer.Argument(help="models:/NAME@ALIAS (followed as the alias moves), "
+                                                "models:/NAME/N, a training checkpoint, or an export folder. "
+                                                "Default: models:/<registry.model_name>@<registry.alias>.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (tracking.uri, registry, "
+                                                "serve.*).")] = None,
+    set_: SetOpt = None,
+    host: Annotated[str | None, typer.Option(help="Listen address (serve.host).")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port (serve.port).")] = None,
+) -> None:
+    """Serve a model behind an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    _environment()
+    try:
+        overrides = list(set_ or []) + [f"serve.{k}={v}" for k, v in (("host", host), ("port", port)) if v]
+        cfg = _load(config, overrides)
+        from memfit.server.run import serve as run_server
+
+        run_server(cfg, model)
+    except MemfitError as err:
+        _fail(err)
+
+
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="Target device profile: a100-40gb, a100-80gb, "
                                                 "h100-80gb, h200, l4, rtx-4090, t4, cpu.")]
 BudgetOpt = Annotated[float | None, typer.Option("--budget-gb", help="Memory budget in GB (overrides the device's).")]
@@ -289,14 +321,7 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
 @app.command("launch-node")
 def launch_node(config: ConfigArg = None, set_: SetOpt = None) -> None:
     """Multi-node runs: start this machine's training ranks (node 0 runs `memfit run`; set distributed.node_rank)."""
-    _environment()
-    try:
-        cfg = _load(config, set_)
-        from memfit.phases import launch_node as run_node
-
-        report = run_node(cfg)
-    except MemfitError as err:
-        _fail(err)
+    cfg, report = _phase(config, set_, "launch_node")
     typer.echo("nothing to do: the run already finished" if report is None else
                f"node {cfg.distributed.node_rank} done at step {report.steps}")
 

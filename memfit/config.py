@@ -50,9 +50,35 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     path: str | None = Field(
-        None, description="A .txt/.jsonl file or a folder of them. Unset: a seeded synthetic corpus.")
-    text_field: str = Field("text", description="Field holding the text in .jsonl records.")
-    seq_len: int = Field(128, ge=8, le=131072, description="Tokens per packed training block.")
+        None, description="A .txt/.jsonl/.json/.parquet/.csv file, a folder of them, a folder written by datasets' "
+        "save_to_disk, or hf:NAME for a dataset loaded with datasets.load_dataset. Unset: a seeded synthetic corpus.")
+    format: Literal["auto", "text", "prompt_completion", "messages"] = Field(
+        "auto", description="Record layout. auto: messages when records have messages_field, prompt_completion "
+        "when they have prompt_field and completion_field, else text (the log says which and why).")
+    text_field: str = Field("text", description="Field holding the text in text-format records.")
+    prompt_field: str = Field("prompt", description="Field holding the prompt in prompt_completion records.")
+    completion_field: str = Field("completion", description="Field holding the answer in prompt_completion records.")
+    messages_field: str = Field(
+        "messages", description="Field holding the conversation (a list of {role, content}) in messages records.")
+    split: str = Field("train", description="Split to read from a hub dataset or a saved DatasetDict.")
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template file for messages data (replaces the tokenizer's own and travels "
+        "with the export), or a built-in name: chatml, llama-3. Unset: the tokenizer's (presets have one).")
+    train_on: Literal["all", "completion", "assistant"] = Field(
+        "all", description="Tokens the loss trains on: all; completion (the completion of prompt_completion "
+        "records, the last assistant turn of messages); assistant (every assistant turn, from the template's "
+        "generation markers). Labels are -100 elsewhere.")
+    packing: Literal["blocks", "padding_free", "none"] = Field(
+        "blocks", description="blocks: all examples concatenated and cut into seq_len blocks (attention crosses "
+        "examples); padding_free: whole examples packed up to seq_len tokens a row, position_ids restarting and "
+        "no attention across examples; none: one example a row, padded per batch with an attention mask.")
+    overlong: Literal["truncate", "drop", "error"] = Field(
+        "truncate", description="padding_free/none: what happens to an example longer than seq_len (counts "
+        "are logged).")
+    heldout_prompts: int = Field(
+        4, ge=0, le=64, description="prompt_completion/messages with padding_free/none: held-out validation "
+        "examples whose prompts phase 5 answers (template applied), logged beside their reference answers.")
+    seq_len: int = Field(128, ge=8, le=131072, description="Tokens per packed training block (row).")
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of blocks held out for validation.")
     synthetic_docs: int = Field(2000, ge=10, le=10_000_000, description="Synthetic corpus size (documents).")
     seed: int = Field(1234, description="Seed of the synthetic corpus and the train/validation split.")
@@ -118,6 +144,25 @@ class MemoryConfig(_Section):
     allow_smaller_micro_batch: bool = Field(
         True, description="Planner: may lower the micro-batch (raising the accumulation steps, same global "
         "batch) when that is the cheapest way to fit.")
+    loss: Literal["auto", "plain", "chunked"] = Field(
+        "auto", description="How the LM head and cross-entropy run. plain: full [batch, seq, vocab] logits (what "
+        "transformers does); chunked: head and loss per chunk of memory.loss_chunk_tokens tokens, recomputed in "
+        "backward, so no full-vocabulary logits are ever alive (on CUDA Liger's fused kernel when installed). "
+        "auto: chunked when the vocabulary has at least 32768 entries, else plain.")
+    loss_chunk_tokens: int = Field(
+        1024, ge=16, le=1_048_576, description="chunked loss: tokens per chunk of the LM head and cross-entropy.")
+    optimizer: Literal["auto", "adamw", "adamw-fused", "adamw-8bit", "adamw-cpu-offload"] = Field(
+        "auto", description="AdamW implementation. adamw: torch's default path (foreach on CUDA, with scratch "
+        "copies); adamw-fused: one fused kernel, no scratch; adamw-8bit: bitsandbytes' 8-bit blockwise state "
+        "(pip install bitsandbytes); adamw-cpu-offload (CUDA only): state and step on the CPU, torchao's "
+        "CPUOffloadOptimizer (pip install torchao). auto: adamw-fused on CUDA, adamw on CPU (the pinned golden "
+        "losses were made with it).")
+    optimizer_in_backward: bool | Literal["auto"] = Field(
+        False, description="Step each parameter in backward as soon as its gradient is accumulated, and free "
+        "that gradient (no full set of gradients alive). Needs train.grad_accum_steps 1, train.max_grad_norm "
+        "null (a global clip needs every gradient first) and no fp16-mixed; one process only. With "
+        "adamw-cpu-offload each gradient moves to host memory as it is accumulated and the CPU steps after "
+        "backward. auto: off unless the planner turns it on.")
 
     @field_validator("device")
     @classmethod
@@ -361,6 +406,32 @@ class DeployConfig(_Section):
         return v
 
 
+class ServeConfig(_Section):
+    """`memfit serve-model`: the OpenAI-compatible HTTP server in front of an export or the registry's champion."""
+
+    host: str = Field("127.0.0.1", min_length=1, description="Address to listen on (0.0.0.0 in a container).")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
+    backend: Literal["auto", "transformers", "onnx"] = Field(
+        "auto", description="transformers: the SafeTensors export with generate (KV cache); onnx: the ONNX export "
+        "through onnxruntime (CPU; no KV cache in the graph); auto: onnx on CPU when the export has one (measured "
+        "faster, docs/serving.md), else transformers.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="transformers backend: auto is CUDA when "
+                                                   "present, else CPU.")
+    max_batch_size: int = Field(8, ge=1, le=256, description="Requests generated together in one batch.")
+    batch_wait_ms: float = Field(5.0, ge=0.0, le=1000.0, description="How long the first request of a batch "
+                                 "waits for others to join it.")
+    max_queue: int = Field(64, ge=1, le=100_000, description="Requests waiting beyond the running batch; more are "
+                           "answered 503 at once.")
+    max_tokens: int = Field(512, ge=1, description="Largest max_tokens a request may ask for (also bounded by the "
+                            "model's context).")
+    default_max_tokens: int = Field(16, ge=1, description="max_tokens of a request that sets none.")
+    follow_alias: bool = Field(True, description="models:/NAME@ALIAS: poll the registry and swap in the version "
+                               "the alias moves to (after checking it).")
+    poll_seconds: float = Field(10.0, gt=0.0, le=86400.0, description="Seconds between registry polls.")
+    cache_dir: str = Field("runs/serve", description="Where registry versions and training-checkpoint exports are "
+                           "downloaded to before they are served.")
+
+
 class DistributedConfig(_Section):
     """Several processes (GPUs, nodes) training one model; 1 process in all is today's single-process path."""
 
@@ -428,6 +499,7 @@ class MemfitConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @model_validator(mode="after")
     def _micro_batch_splits(self) -> MemfitConfig:
@@ -437,6 +509,26 @@ class MemfitConfig(_Section):
             raise ValueError(f"train.batch_size / train.grad_accum_steps = {micro} sequences per micro-batch "
                              f"must divide evenly across distributed.nproc_per_node x nnodes = {world} ranks; "
                              "change train.batch_size or train.grad_accum_steps")
+        return self
+
+    @model_validator(mode="after")
+    def _memory_techniques_fit(self) -> MemfitConfig:
+        if self.memory.loss == "chunked" and self.distributed.world_size > 1:
+            raise ValueError("memory.loss: chunked runs in one process only (DDP/FSDP2 need the model's own "
+                             "forward); set memory.loss to plain or auto")
+        # A parameter stepped in backward cannot wait for the other gradients: refused where the step needs them.
+        if self.memory.optimizer_in_backward is not True:
+            return self
+        t, d = self.train, self.distributed
+        why = ("train.grad_accum_steps must be 1 (each micro-batch would step)" if t.grad_accum_steps > 1
+               else "train.max_grad_norm must be null (clipping needs the global norm of every gradient first)"
+               if t.max_grad_norm is not None
+               else "train.precision fp16-mixed needs the loss scaler's inf check of every gradient first"
+               if t.precision == "fp16-mixed"
+               else "it runs in one process only (DDP, FSDP2 and DeepSpeed reduce gradients after backward)"
+               if d.world_size > 1 or d.strategy not in ("auto", "ddp") else None)
+        if why:
+            raise ValueError(f"memory.optimizer_in_backward: true: {why}; change that or set it to false")
         return self
 
     def to_yaml(self) -> str:
@@ -500,7 +592,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `memfit config --defaults` lists every key)"
-        elif "input" in e and e["type"] not in ("missing",) and tuple(e["loc"]) not in _NO_ECHO:
+        elif "input" in e and e["type"] not in ("missing",) and e["loc"] and tuple(e["loc"]) not in _NO_ECHO:
+            # (a check across sections, at the root, names its fields itself: its input is the whole tree)
             msg = f"{msg} (got {e['input']!r})"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)

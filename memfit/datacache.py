@@ -1,12 +1,10 @@
-"""Packed training data cached on disk, keyed on the data digest, the tokenizer and the packing settings."""
+"""Packed training data cached on disk, keyed on the data digest, the tokenizer, the template, masking and packing."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from memfit.config import MemfitConfig
 from memfit.data import DataBundle, prepare_data
+from memfit.files import atomic_path, write_json_atomic
 
 log = logging.getLogger("memfit.data")
 
@@ -27,9 +26,15 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def cache_key(cfg: MemfitConfig, digest: str, tokenizer: Any) -> str:
-    # Only what changes the packed tensors: the texts, the tokenizer, and how blocks are cut and split.
-    parts = {"digest": digest, "tokenizer": tokenizer_fingerprint(tokenizer), "seq_len": cfg.data.seq_len,
-             "val_fraction": cfg.data.val_fraction, "seed": cfg.data.seed, "format": 1}
+    # Only what changes the packed tensors: the examples (their digest covers the format), the tokenizer and the
+    # chat template it renders with, which tokens are trained, and how rows are packed and split.
+    d = cfg.data
+    template = getattr(tokenizer, "chat_template", None)
+    parts = {"digest": digest, "tokenizer": tokenizer_fingerprint(tokenizer), "seq_len": d.seq_len,
+             "val_fraction": d.val_fraction, "seed": d.seed, "layout": 2, "data_format": d.format,
+             "fields": [d.text_field, d.prompt_field, d.completion_field, d.messages_field],
+             "template": hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest(),
+             "train_on": d.train_on, "packing": d.packing, "overlong": d.overlong, "heldout": d.heldout_prompts}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -41,21 +46,24 @@ def cached_data(cfg: MemfitConfig, texts: list[str], digest: str, tokenizer: Any
             tensors = load_file(str(path))
             meta = json.loads(path.with_suffix(".json").read_text())
             log.info("packed data from cache %s", path)
+            fields = {split: {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{split}.")}
+                      for split in ("train", "val")}
             return DataBundle(train=tensors["train"], val=tensors["val"], digest=meta["digest"],
                               n_train_tokens=tensors["train"].numel(), n_val_tokens=tensors["val"].numel(),
-                              source=meta["source"])
+                              source=meta["source"], train_fields=fields["train"], val_fields=fields["val"],
+                              packing=meta.get("packing", "blocks"), heldout=meta.get("heldout", []),
+                              stats=meta.get("stats", {}))
         except (OSError, ValueError, KeyError) as err:
             log.warning("ignoring unreadable data cache %s (%s)", path, err)
     bundle = prepare_data(cfg, tokenizer, texts)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Metadata first, tensors last under their final name: a reader never sees tensors without metadata.
-    path.with_suffix(".json").write_text(json.dumps({"digest": bundle.digest, "source": bundle.source}))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({"train": bundle.train.contiguous(), "val": bundle.val.contiguous()}, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_json_atomic(path.with_suffix(".json"), {"digest": bundle.digest, "source": bundle.source,
+                                                  "packing": bundle.packing, "heldout": bundle.heldout,
+                                                  "stats": bundle.stats})
+    tensors = {"train": bundle.train, "val": bundle.val,
+               **{f"train.{k}": v for k, v in bundle.train_fields.items()},
+               **{f"val.{k}": v for k, v in bundle.val_fields.items()}}
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     return bundle

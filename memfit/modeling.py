@@ -15,13 +15,14 @@ import torch
 
 from memfit.config import MemfitConfig, ModelConfig
 from memfit.data import data_digest as _data_digest
+from memfit.data.templates import PRESET_CHAT_TEMPLATE, use_configured_template
 from memfit.errors import ConfigError, MemfitError, ModelLoadError
 from memfit.preflight import resolve_model_source
 
 SPECIAL_TOKEN = "<|endoftext|>"
 PRESET_MARKER = "memfit-preset.json"
-# Bump when the way presets are built changes, so cached preset folders are rebuilt.
-PRESET_FORMAT = 1
+# Bump when the way presets are built changes, so cached preset folders are rebuilt (2: a default chat template).
+PRESET_FORMAT = 2
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> Any:
@@ -39,6 +40,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path) -> Any:
     tok.train_from_iterator(texts, trainer, length=len(texts))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL_TOKEN, eos_token=SPECIAL_TOKEN,
                                    pad_token=SPECIAL_TOKEN)
+    fast.chat_template = PRESET_CHAT_TEMPLATE
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
@@ -104,6 +106,7 @@ def build_preset(model_cfg: ModelConfig, texts: list[str], out_dir: Path, seed: 
     try:
         tokenizer = train_tokenizer(texts, model_cfg.vocab_size, tmp)
         tokenizer.model_max_length = spec["max_positions"]
+        tokenizer.chat_template = PRESET_CHAT_TEMPLATE  # messages data works with a preset; it travels with exports
         tokenizer.save_pretrained(str(tmp))
         config = preset_config(spec, len(tokenizer), tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN))
         # fork_rng: seeding the init must not move the caller's global RNG (devices=[]: init is on CPU).
@@ -215,7 +218,8 @@ def load_model_and_tokenizer(cfg: MemfitConfig, texts: list[str], data_digest: s
     else:
         out = preset_dir(cfg, data_digest)
         source = str(build_preset(cfg.model, texts, out, seed=cfg.train.seed, max_seq_len=cfg.data.seq_len))
-    tokenizer = load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = use_configured_template(load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code),
+                                        cfg.data)
     # Always fp32 here: the trainer casts for bf16-true once the plan has settled the precision.
     model = load_model(source, dtype=torch.float32, trust_remote_code=cfg.model.trust_remote_code)
     return model, tokenizer, source

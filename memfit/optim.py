@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from memfit.config import TrainConfig
+from memfit.errors import ConfigError
 from memfit.schedule import lr_factor
 
 ADAMW_BETAS = (0.9, 0.95)
@@ -25,9 +26,84 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_adamw(model: nn.Module, lr: float, weight_decay: float, foreach: bool | None = None
-               ) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=ADAMW_BETAS, foreach=foreach)
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw-8bit", "adamw-cpu-offload")
+
+
+def resolve_optimizer(setting: str, device_type: str) -> str:
+    """`memory.optimizer` as run. auto: fused on CUDA (no foreach scratch copy); on CPU the default path, whose
+    numbers the golden losses pin (fused differs in the last bits, though it is several times faster there)."""
+    if setting != "auto":
+        return setting
+    return "adamw-fused" if device_type == "cuda" else "adamw"
+
+
+def make_adamw(model: nn.Module, lr: float, weight_decay: float, foreach: bool | None = None,
+               kind: str = "adamw", offload_gradients: bool = False) -> torch.optim.Optimizer:
+    """The one place the AdamW implementation is chosen (`memory.optimizer`, resolved): same groups, same betas.
+
+    offload_gradients (adamw-cpu-offload with memory.optimizer_in_backward): each gradient goes to host memory as
+    soon as it is accumulated and is freed on the GPU (torchao's option); the step runs on the CPU after backward.
+    """
+    groups = param_groups(model, weight_decay)
+    common = {"lr": lr, "betas": ADAMW_BETAS, "eps": 1e-8}
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, foreach=foreach, **common)
+    if kind == "adamw-fused":
+        return torch.optim.AdamW(groups, fused=True, **common)
+    if kind == "adamw-8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ConfigError("memory.optimizer: adamw-8bit needs bitsandbytes (pip install bitsandbytes==0.50.2), "
+                              "or choose adamw / adamw-fused") from None
+        return bnb.optim.AdamW8bit(groups, **common)
+    if kind == "adamw-cpu-offload":
+        devices = {p.device.type for g in groups for p in g["params"]}
+        if devices != {"cuda"}:
+            raise ConfigError("memory.optimizer: adamw-cpu-offload moves the optimizer state from a CUDA device "
+                              f"to the CPU; this model is on {', '.join(sorted(devices))}: use adamw or adamw-8bit")
+        try:
+            from torchao.optim import CPUOffloadOptimizer
+        except ImportError:
+            raise ConfigError("memory.optimizer: adamw-cpu-offload needs torchao (pip install torchao), or choose "
+                              "adamw-8bit") from None
+        return CPUOffloadOptimizer(groups, torch.optim.AdamW, offload_gradients=offload_gradients, fused=True,
+                                   **common)
+    raise ConfigError(f"memory.optimizer: unknown optimizer {kind!r}; choose auto, {', '.join(OPTIMIZERS)}")
+
+
+class StepInBackward:
+    """`memory.optimizer_in_backward`: each parameter stepped as soon as its gradient is accumulated, and that
+    gradient freed, so the full set of gradients is never alive.
+
+    The run's one optimizer does it: in a post-accumulate-grad hook every other gradient is None (stepped and
+    freed, or not computed yet), and every AdamW here skips parameters without a gradient, so `step()` moves
+    that parameter alone, with exactly the arithmetic of a whole step. The state, the schedule (which sets the
+    groups' lr) and training checkpoints stay those of the ordinary optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._sq: torch.Tensor | None = None
+        self._handles = [p.register_post_accumulate_grad_hook(self._step)
+                         for g in optimizer.param_groups for p in g["params"]]
+
+    def _step(self, p: torch.Tensor) -> None:
+        sq = p.grad.detach().float().pow(2).sum()  # the global norm is still reported (not clipped by)
+        self._sq = sq if self._sq is None else self._sq + sq
+        self.optimizer.step()
+        p.grad = None
+
+    def finish(self) -> torch.Tensor:
+        """The step's global gradient norm (every parameter has stepped by now)."""
+        norm = self._sq.sqrt() if self._sq is not None else torch.zeros(())
+        self._sq = None
+        return norm
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
 
 def lr_schedule(t: TrainConfig) -> functools.partial:

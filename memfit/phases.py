@@ -219,7 +219,7 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
 # -- phase 5 ------------------------------------------------------------------------------------------
 def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> ExportReport:
     """Load the final training checkpoint, evaluate, export SafeTensors + ONNX (verified), gate and register."""
-    from memfit.evaluation import generate_samples, log_generations, perplexity
+    from memfit.evaluation import generate_heldout, generate_samples, log_generations, perplexity
     from memfit.lora import merged_from_state
     from memfit.release.from_checkpoint import config_from_checkpoint
     from memfit.release.publish import release
@@ -240,15 +240,18 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
     model = merged_from_state(inputs.model, config_from_checkpoint(final, final.info.uri).lora, final.model_state,
                               f"training checkpoint {final.info.uri}")
     model.to(device=device, dtype=torch.float32)  # exports and evaluation are fp32
-    val_loss = evaluate_loss(model, data.val, cfg.train.micro_batch_size, device, "fp32", cfg.train.eval_batches)
+    val_loss = evaluate_loss(model, data.val, cfg.train.micro_batch_size, device, "fp32", cfg.train.eval_batches,
+                             fields=data.val_fields)
     ppl = perplexity(val_loss)
     samples = generate_samples(model, inputs.tokenizer, cfg.eval.prompts, cfg.eval.max_new_tokens, device)
+    heldout = generate_heldout(model, inputs.tokenizer, data.heldout, cfg.eval.max_new_tokens, device)
     tracker = make_tracker(cfg.tracking)
     run_id = tracker.start_run(cfg.run.name, run_id=train_report.mlflow_run_id or None)
     try:
         step = train_report.steps
         tracker.log_metrics({"val_loss": val_loss, "val_perplexity": ppl}, step=step)
         log_generations(tracker, samples, step)
+        log_generations(tracker, heldout, step, "eval/heldout_generations.json")
         meta = scrub_obj({"source_checkpoint": final.info.uri, "mlflow_run_id": run_id, "step": final.step,
                           "model_source": _source_name(cfg), "run_name": cfg.run.name})
         report = release(cfg, tracker, model, inputs.tokenizer, meta,

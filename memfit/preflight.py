@@ -7,46 +7,26 @@ from pathlib import Path
 from typing import Any
 
 from memfit.config import DataConfig, MemfitConfig, ModelConfig
+from memfit.datafiles import HUB_PREFIX, SUPPORTED_SUFFIXES, blank_data, data_files, missing_data, saved_dataset_dir
 from memfit.errors import ConfigError, DataError, ModelLoadError
 from memfit.files import probe_writable
 
-SUPPORTED_SUFFIXES = (".txt", ".jsonl")
+__all__ = ["SUPPORTED_SUFFIXES", "data_files", "preflight"]
+
 # A hub id is "name" or "org/name"; anything else that does not exist locally is a missing folder.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _SNIFF_BYTES = 1 << 16  # enough of each file to tell "has text" from "blank", without reading a corpus
 
 
-def data_files(path: Path) -> list[Path]:
-    """The .txt/.jsonl files that data.path names (itself, or every one under a folder, sorted)."""
-    if path.is_file():
-        if path.suffix.lower() not in SUPPORTED_SUFFIXES:
-            raise DataError(f"data.path: {path} has an unsupported extension {path.suffix or '(none)'!r}; "
-                            "use a .txt (paragraphs) or .jsonl (one JSON record per line) file")
-        return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES)
-    if not files:
-        raise DataError(f"data.path: folder {path} holds no .txt or .jsonl files; "
-                        "add some or point data.path at another folder")
-    return files
-
-
-def missing_data(path: Path) -> DataError:
-    return DataError(f"data.path: {path} not found; point data.path at a .txt/.jsonl file or folder, "
-                     "or unset it for the synthetic corpus")
-
-
-def blank_data(path: Path) -> DataError:
-    return DataError(f"data.path: {path} holds no non-blank text; add data or unset data.path "
-                     "for the synthetic corpus")
-
-
 def check_data_source(data: DataConfig) -> None:
     """data.path exists and some file under it holds more than whitespace (the loader checks the rest)."""
-    if data.path is None:
-        return
+    if data.path is None or data.path.startswith(HUB_PREFIX):
+        return  # a hub dataset is checked when it loads (preflight stays offline)
     path = Path(data.path).expanduser()
     if not path.exists():
         raise missing_data(path)
+    if saved_dataset_dir(path):
+        return
     for f in data_files(path):
         try:
             with f.open("rb") as fh:
@@ -108,9 +88,23 @@ def open_checkpoint_store(cfg: MemfitConfig) -> Any:
     return open_store(ck.uri)
 
 
+def check_data_records(data: DataConfig) -> None:
+    """Every record has its fields (named by file, record number and field) and a given chat template exists and
+    can mark assistant turns; what needs the model's tokenizer (overlong, unknown roles) is checked when packing."""
+    if data.path is None and data.chat_template is None:
+        return  # the synthetic corpus: nothing to read (and no torch import to pay for)
+    from memfit.data.formats import load_texts
+    from memfit.data.templates import check_template_source
+
+    if data.path is not None and not data.path.startswith(HUB_PREFIX):
+        load_texts(data)
+    check_template_source(data)
+
+
 def preflight(cfg: MemfitConfig) -> None:
     """Fail in seconds, before any model is built, on inputs that are missing and outputs that cannot be written."""
     check_data_source(cfg.data)
+    check_data_records(cfg.data)
     check_model_source(cfg.model)
     check_writable_dir(cfg.run.work_dir, "run.work_dir")
     check_writable_dir(cfg.export.dir, "export.dir")

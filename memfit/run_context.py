@@ -151,7 +151,8 @@ def log_run_start(tracker: Any, cfg: MemfitConfig, plan: PlanReport, data: DataB
     params.update({f"plan.{k}": v for k, v in plan.model_dump().items()
                    if k not in ("alternatives", "block_kinds", "table_markdown")})
     params.update({"data.digest": data.digest, "data.train_blocks": len(data.train),
-                   "data.val_blocks": len(data.val), "data.source": data.source})
+                   "data.val_blocks": len(data.val), "data.source": data.source,
+                   **{f"data.{k}": v for k, v in data.stats.items() if k != "format"}})
     tracker.log_params(params)
     tracker.log_text(cfg.to_yaml(), "config/resolved.yaml")
     tracker.log_text(json.dumps(plan.model_dump(), indent=2), "memory/plan.json")
@@ -160,6 +161,7 @@ def log_run_start(tracker: Any, cfg: MemfitConfig, plan: PlanReport, data: DataB
         tracker.log_dataset(f"{data.source} [{context}]", data.digest, cfg.data.path or data.source, context,
                             {"blocks": int(blocks.shape[0]), "seq_len": int(blocks.shape[1]),
                              "tokens": int(blocks.numel())})
+    tracker.log_metrics({"trained_tokens_share": data.trained_share()}, step=0)
     if plan.table_markdown:
         tracker.log_text(plan.table_markdown + "\n", "memory/plan_candidates.md")
     if probe_report is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -23,10 +24,14 @@ LEASE_SECONDS = 60  # a server reaps a dead holder's lease after this; renewed i
 
 
 def ephemeral_mode() -> bool:
-    """No PREFECT_API_URL: Prefect's ephemeral server, which runs no lease reaper."""
+    """No PREFECT_API_URL, or the one `memfit run` set to the ephemeral server it started (flows/ephemeral.py):
+    a server that runs no lease reaper."""
     from prefect.settings import PREFECT_API_URL
 
-    return not PREFECT_API_URL.value()
+    from flows.ephemeral import OWN_SERVER_ENV
+
+    url = PREFECT_API_URL.value()
+    return not url or url == os.environ.get(OWN_SERVER_ENV)
 
 
 def slots_folder() -> Path:

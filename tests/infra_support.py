@@ -10,7 +10,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 ENV_EXAMPLE = REPO / ".env.example"
-EXPECTED_SERVICES = {"postgres", "minio", "minio-init", "prefect-server", "mlflow", "worker", "worker-gpu"}
+EXPECTED_SERVICES = {"postgres", "minio", "minio-init", "prefect-server", "mlflow", "worker", "worker-gpu", "serve"}
 
 
 def pyproject() -> dict[str, Any]:

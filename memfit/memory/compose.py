@@ -56,6 +56,7 @@ class StaticTrace:
     n_params: int
     n_trainable: int
     weight_bytes: int
+    host_bytes: int = 0  # optimizer state kept in host memory (CPU-offloaded AdamW)
 
 
 @dataclass
@@ -162,7 +163,7 @@ def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] 
         best = (total(opt), opt, "optimizer step")
     seconds += static.opt_seconds
     name, k = policy_name(tuple(kinds))
-    host = sum(traces[kind].host_bytes_per_block for kind in kinds)
+    host = sum(traces[kind].host_bytes_per_block for kind in kinds) + static.host_bytes
     breakdown = {key: max(0, best[1][key]) for key in BREAKDOWN_KEYS}
     return Estimate(stack=stack, kinds=tuple(kinds), policy=name, every_k=k, peak_bytes=sum(breakdown.values()),
                     breakdown=breakdown, activation_bytes=max(0, activations), peak_at=best[2],

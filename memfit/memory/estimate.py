@@ -16,6 +16,7 @@ from memfit.errors import ConfigError
 from memfit.memory.compose import PROXY_BLOCKS, Estimate, KindTrace, Stack, StaticTrace, compose
 from memfit.memory.devices import DeviceProfile
 from memfit.memory.policies import BLOCK_KINDS, OFFLOAD_EMULATION, assign_blocks, find_blocks
+from memfit.memory.step import host_bytes as optimizer_host_bytes
 from memfit.memory.step import init_optimizer_state, make_optimizer, op_cost_model, run_step
 from memfit.memory.tracker import Segment, StepTracker
 
@@ -138,7 +139,8 @@ class Estimator:
 
     def __init__(self, hf_config: Any, seq_len: int, profile: DeviceProfile, *, lora_cfg: Any | None = None,
                  save_ops: Sequence[str] = (), block_class: str | None = None, weight_decay: float = 0.01,
-                 max_grad_norm: float | None = 1.0, anchor_micro_batch: int | None = None) -> None:
+                 max_grad_norm: float | None = 1.0, anchor_micro_batch: int | None = None,
+                 loss_chunk_tokens: int = 1024) -> None:
         self.hf_config = hf_config
         self.n_blocks = n_blocks_of(hf_config)
         self.seq_len = seq_len
@@ -152,6 +154,7 @@ class Estimator:
         # activation is linear in the micro-batch, and a segment's peak (a max of linear terms) is convex,
         # so the interpolation never underestimates.
         self.anchor_micro_batch = anchor_micro_batch
+        self.loss_chunk_tokens = loss_chunk_tokens
         self._statics: dict[tuple, StaticTrace] = {}
         self._traces: dict[tuple, KindTrace] = {}
         self.trace_seconds = 0.0
@@ -181,17 +184,17 @@ class Estimator:
         with fake_tracing() as mode:
             model = self._build(self.n_blocks, stack, mode)
             with mode:
-                # CUDA runs AdamW's multi-tensor (foreach) path by default, with its scratch copies; CPU loops.
-                optimizer = make_optimizer(model, self.weight_decay, foreach=self.profile.kind == "cuda")
-                init_optimizer_state(optimizer)
-                for g in optimizer.param_groups:
-                    for p in g["params"]:
-                        p.grad = torch.zeros_like(p)
+                optimizer = self._optimizer(model, stack)
+                if not stack.optimizer_in_backward:  # stepped in backward, the gradients never coexist
+                    for g in optimizer.param_groups:
+                        for p in g["params"]:
+                            p.grad = torch.zeros_like(p)
                 tracker = StepTracker(op_seconds=op_cost_model(self.profile))
                 tracker.track_external(model, optimizer)
                 before = tracker.vec()
                 with tracker:
-                    run_step(model, optimizer, [], stack.precision, tracker, self.max_grad_norm)
+                    run_step(model, optimizer, [], stack.precision, tracker, self.max_grad_norm,
+                             in_backward=stack.optimizer_in_backward)
                 after = tracker.vec()
         opt_seg = next(s for s in tracker.segments if s.label == "opt")
         # The tracker books everything the optimizer allocates as optimizer state; what is gone after the
@@ -206,7 +209,25 @@ class Estimator:
         return StaticTrace(n_blocks=self.n_blocks, before_opt=before, after_opt=after, opt_peak=opt_peak,
                            opt_seconds=opt_seg.seconds, n_params=logical_param_count(model),
                            n_trainable=sum(p.numel() for p in params if p.requires_grad),
-                           weight_bytes=sum(p.numel() * p.element_size() for p in params))
+                           weight_bytes=sum(p.numel() * p.element_size() for p in params),
+                           host_bytes=optimizer_host_bytes(optimizer))
+
+    def _optimizer(self, model: torch.nn.Module, stack: Stack) -> Any:
+        """The stack's AdamW on fake tensors, its state allocated (inside the fake mode)."""
+        # CUDA runs AdamW's multi-tensor (foreach) path by default, with its scratch copies; CPU loops.
+        optimizer = make_optimizer(model, self.weight_decay, foreach=self.profile.kind == "cuda",
+                                   kind=stack.optimizer, fake=True)
+        init_optimizer_state(optimizer)
+        return optimizer
+
+    def resolved(self, stack: Stack) -> Stack:
+        """The stack with `auto` techniques as a run on this model and device resolves them."""
+        from memfit.optim import resolve_optimizer
+        from memfit.training.loss import resolve_loss
+
+        vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
+        return replace(stack, loss=resolve_loss(stack.loss, vocab),
+                       optimizer=resolve_optimizer(stack.optimizer, self.profile.kind))
 
     def kind_trace(self, stack: Stack, kind: str) -> KindTrace:
         if kind not in BLOCK_KINDS:
@@ -220,12 +241,13 @@ class Estimator:
         return interpolate(lo_t, hi_t, (b - 1) / (hi - 1))
 
     def _traced(self, stack: Stack, kind: str, micro_batch: int, n_micro: int) -> KindTrace:
-        # Only what changes the traced step keys it (the optimizer does not run in a block trace).
-        key = (stack.precision, stack.lora, stack.quantize, stack.loss, kind, micro_batch, n_micro)
+        # The optimizer runs inside backward only when it steps there.
+        key = (stack.precision, stack.lora, stack.quantize, kind, micro_batch, n_micro, stack.loss,
+               stack.optimizer_in_backward, stack.optimizer if stack.optimizer_in_backward else None)
         if key not in self._traces:
             t0 = time.perf_counter()
-            self._traces[key] = self._trace_kind(
-                replace(stack, micro_batch_size=micro_batch, grad_accum_steps=n_micro), kind)
+            self._traces[key] = self._trace_kind(replace(stack, micro_batch_size=micro_batch,
+                                                         grad_accum_steps=n_micro), kind)
             self.trace_seconds += time.perf_counter() - t0
         return self._traces[key]
 
@@ -241,22 +263,32 @@ class Estimator:
             assign_blocks(model, [kind] * n_proxy, block_class=self.block_class, save_ops=self.save_ops)
             tracker.track_external(model)
             with mode:
+                optimizer = self._optimizer(model, stack) if stack.optimizer_in_backward else None
+                tracker.track_external(optimizer)
                 batches = self._batches(stack, min(stack.grad_accum_steps, 2))
-                _run_traced(model, None, batches, stack.precision, tracker)
+                _run_traced(model, optimizer, batches, stack.precision, tracker, loss_fn=self._loss(stack),
+                            in_backward=stack.optimizer_in_backward)
         micro: list[dict[str, Segment]] = [{} for _ in batches]
         for seg in tracker.segments:
             prefix, _, label = seg.label.partition(".")
             if prefix.startswith("m") and label:
                 micro[int(prefix[1:])][label] = seg
-        return KindTrace(kind=kind, n_proxy=n_proxy, micro=micro,
-                         host_bytes_per_block=tracker.host_peak_bytes // n_proxy)
+        # Host memory the blocks' offloaded activations take (not the proxy's own offloaded optimizer state).
+        parked = tracker.host_peak_bytes - (optimizer_host_bytes(optimizer) if optimizer is not None else 0)
+        return KindTrace(kind=kind, n_proxy=n_proxy, micro=micro, host_bytes_per_block=max(0, parked) // n_proxy)
 
     def _batches(self, stack: Stack, count: int) -> list[torch.Tensor]:
         vocab = max(int(getattr(self.hf_config, "vocab_size", 0) or 0), 2)
         return [torch.randint(0, vocab, (stack.micro_batch_size, self.seq_len)) for _ in range(count)]
 
     # -- estimates ---------------------------------------------------------------------------------------
+    def _loss(self, stack: Stack) -> Any:
+        from memfit.training.loss import loss_by_name
+
+        return loss_by_name(stack.loss, self.loss_chunk_tokens)
+
     def estimate(self, stack: Stack, kinds: Sequence[str]) -> Estimate:
+        stack = self.resolved(stack)
         traces = {k: self.kind_trace(stack, k) for k in set(kinds)}
         method = (f"fake-tensor trace of a {min(self.n_blocks, PROXY_BLOCKS)}-block proxy per block kind, "
                   f"composed to {self.n_blocks} blocks; optimizer step traced at full depth")
@@ -281,11 +313,11 @@ def interpolate(lo: KindTrace, hi: KindTrace, t: float) -> KindTrace:
 
 
 def _run_traced(model: torch.nn.Module, optimizer: Any, batches: list[torch.Tensor], precision: str,
-                tracker: StepTracker, max_grad_norm: float | None = 1.0) -> None:
+                tracker: StepTracker, max_grad_norm: float | None = 1.0, **step: Any) -> None:
     token = OFFLOAD_EMULATION.set(tracker.offload_hooks())
     try:
         with tracker:
-            run_step(model, optimizer, batches, precision, tracker, max_grad_norm)
+            run_step(model, optimizer, batches, precision, tracker, max_grad_norm, **step)
     finally:
         OFFLOAD_EMULATION.reset(token)
 

@@ -110,7 +110,9 @@ def _offload_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     if first is not None and first.device.type != "cuda":
         raise ConfigError(_OFFLOAD_NEEDS_CUDA)
-    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+    from memfit.memory.activation_offload import offloader
+
+    with offloader().block():
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
@@ -200,22 +202,24 @@ class _Policy:
 
 
 @dataclass(frozen=True)
-class NoCheckpointing(_Policy):
-    name: str = field(default="none", init=False)
+class _Uniform(_Policy):
+    """Every block of one kind: the policy's name is that block kind."""
 
     def block_kinds(self, n_blocks: int) -> list[str]:
-        return ["none"] * n_blocks
+        return [self.name] * n_blocks
+
+
+@dataclass(frozen=True)
+class NoCheckpointing(_Uniform):
+    name: str = field(default="none", init=False)
 
     def describe(self) -> str:
         return "no gradient checkpointing: every activation kept for backward"
 
 
 @dataclass(frozen=True)
-class FullCheckpointing(_Policy):
+class FullCheckpointing(_Uniform):
     name: str = field(default="full", init=False)
-
-    def block_kinds(self, n_blocks: int) -> list[str]:
-        return ["full"] * n_blocks
 
     def describe(self) -> str:
         return "every decoder block recomputed in backward (non-reentrant)"
@@ -240,13 +244,10 @@ class EveryKCheckpointing(_Policy):
 
 
 @dataclass(frozen=True)
-class SelectiveCheckpointing(_Policy):
+class SelectiveCheckpointing(_Uniform):
     """Per-op: keep the outputs of expensive ops (matmuls, attention), recompute cheap pointwise ones."""
 
     name: str = field(default="selective", init=False)
-
-    def block_kinds(self, n_blocks: int) -> list[str]:
-        return ["selective"] * n_blocks
 
     def apply(self, model: nn.Module) -> None:
         _selective_context_fn(self.save_ops)  # unknown op names fail here, before the model is touched
@@ -271,13 +272,11 @@ def _check_offload_device(model: nn.Module) -> None:
 
 
 @dataclass(frozen=True)
-class OffloadCheckpointing(_Policy):
-    """Full checkpointing whose saved block inputs live in pinned CPU memory (GPU only)."""
+class OffloadCheckpointing(_Uniform):
+    """Full checkpointing whose saved block inputs live in pinned CPU memory (GPU only), copied there on a side
+    stream during forward and back one block ahead during backward (activation_offload.py)."""
 
     name: str = field(default="offload", init=False)
-
-    def block_kinds(self, n_blocks: int) -> list[str]:
-        return ["offload"] * n_blocks
 
     def apply(self, model: nn.Module) -> None:
         _check_offload_device(model)

@@ -66,10 +66,9 @@ def technique_variants(stack: Stack, choices: dict[str, tuple[Any, ...]] | None 
 
 
 def techniques(cfg: Any) -> dict[str, Any]:
-    """The memory.* techniques a stack carries (today's defaults where the config has no such field yet)."""
+    """The memory.* techniques a stack carries (auto loss and optimizer are resolved by the estimator)."""
     m = cfg.memory
-    return {"loss": getattr(m, "loss", "plain"), "optimizer": getattr(m, "optimizer", "adamw"),
-            "optimizer_in_backward": getattr(m, "optimizer_in_backward", False) is True}
+    return {"loss": m.loss, "optimizer": m.optimizer, "optimizer_in_backward": m.optimizer_in_backward is True}
 
 
 def configured_stack(cfg: Any, lora: bool | None = None) -> Stack:
@@ -94,7 +93,7 @@ def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = Non
     return Estimator(hf_config if hf_config is not None else model_config_for(cfg), cfg.data.seq_len, profile,
                      lora_cfg=cfg.lora, save_ops=cfg.memory.selective_save_ops, block_class=cfg.memory.block_class,
                      weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
-                     anchor_micro_batch=cfg.train.micro_batch_size)
+                     anchor_micro_batch=cfg.train.micro_batch_size, loss_chunk_tokens=cfg.memory.loss_chunk_tokens)
 
 
 def policy_kinds(cfg: Any, n_blocks: int, policy: str) -> tuple[str, ...]:

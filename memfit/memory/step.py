@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from memfit.memory.devices import DeviceProfile
-from memfit.memory.tracker import StepTracker, tensors_of
-from memfit.optim import make_adamw
+from memfit.memory.tracker import HOST, StepTracker, tensors_of
+from memfit.optim import StepInBackward, make_adamw, param_groups
 from memfit.training.loss import LossPolicy, PlainLoss
 
 
@@ -28,10 +28,67 @@ def autocast_context(device: torch.device, precision: str):
     return nullcontext()
 
 
-def make_optimizer(model: nn.Module, weight_decay: float = 0.01, foreach: bool | None = None
-                   ) -> torch.optim.Optimizer:
-    # The trainer's AdamW recipe (same groups, same state), at a learning rate that barely moves the weights.
-    return make_adamw(model, 1e-6, weight_decay, foreach=foreach)
+def make_optimizer(model: nn.Module, weight_decay: float = 0.01, foreach: bool | None = None, kind: str = "adamw",
+                   fake: bool = False) -> torch.optim.Optimizer:
+    """The trainer's AdamW recipe (same groups, same state), at a learning rate that barely moves the weights.
+
+    fake: for the estimator's fake tensors, where bitsandbytes' kernels (data-dependent) and torchao's
+    CPU offload (pinned host memory) cannot run: EmulatedAdamW allocates their state instead.
+    """
+    if fake and kind in ("adamw-8bit", "adamw-cpu-offload"):
+        return EmulatedAdamW(param_groups(model, weight_decay), kind)
+    return make_adamw(model, 1e-6, weight_decay, foreach=foreach, kind=kind)
+
+
+# bitsandbytes' 8-bit AdamW: blockwise quantized moments (one fp32 absmax per block), fp32 moments below this size.
+BNB_BLOCK, BNB_MIN_8BIT = 256, 4096
+
+
+class EmulatedAdamW(torch.optim.Optimizer):
+    """What an AdamW variant holds, on fake tensors: its state tensors, with the shapes, dtypes and devices the
+    real one allocates, and a step that allocates nothing on the device (both update in place: bitsandbytes'
+    blockwise kernel on the GPU, torchao's on the CPU).
+
+    adamw-8bit: uint8 moments + fp32 absmax per 256-value block, shared 256-entry quantization maps, fp32 moments
+    for tensors under 4096 values. adamw-cpu-offload: on the host (booked on the tracker's host device) a copy of
+    the parameter, of its gradient (pinned) and two moments, in the parameter's dtype.
+    """
+
+    def __init__(self, groups: list[dict[str, Any]], kind: str) -> None:
+        super().__init__(groups, {"lr": 1e-6, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0})
+        self.kind = kind
+        self._qmaps: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:
+                    self.state[p].update(self._new_state(p))
+                self.state[p]["step"] += 1
+
+    def _new_state(self, p: torch.Tensor) -> dict[str, Any]:
+        if self.kind == "adamw-cpu-offload":
+            host = {"device": HOST, "dtype": p.dtype}
+            return {"step": 0, "exp_avg": torch.empty(p.shape, **host), "exp_avg_sq": torch.empty(p.shape, **host),
+                    "param_copy": torch.empty(p.shape, **host), "grad_copy": torch.empty(p.shape, **host)}
+        if p.numel() < BNB_MIN_8BIT:
+            return {"step": 0, "state1": torch.zeros_like(p, dtype=torch.float32),
+                    "state2": torch.zeros_like(p, dtype=torch.float32)}
+        if self._qmaps is None:
+            self._qmaps = (torch.zeros(256, device=p.device), torch.zeros(256, device=p.device))
+        blocks = -(-p.numel() // BNB_BLOCK)
+        return {"step": 0, "state1": torch.zeros_like(p, dtype=torch.uint8), "qmap1": self._qmaps[0],
+                "state2": torch.zeros_like(p, dtype=torch.uint8), "qmap2": self._qmaps[1],
+                "absmax1": torch.zeros(blocks, device=p.device), "absmax2": torch.zeros(blocks, device=p.device)}
+
+
+def host_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state kept in host memory (the CPU-offloaded AdamW's)."""
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor) and t.device == HOST)
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -53,10 +110,35 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def run_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, batches: Sequence[torch.Tensor],
              precision: str, tracker: StepTracker | None = None, max_grad_norm: float | None = 1.0,
-             loss_fn: LossPolicy | None = None) -> None:
-    """Forward + backward per micro-batch (loss / accumulation steps), then clip and step, like the trainer."""
+             loss_fn: LossPolicy | None = None, in_backward: bool = False) -> None:
+    """Forward + backward per micro-batch (loss / accumulation steps), then clip and step, like the trainer.
+
+    in_backward: each parameter is stepped, and its gradient freed, as soon as the gradient is accumulated
+    (memory.optimizer_in_backward); then there is no step after backward.
+    """
     loss_fn = loss_fn or PlainLoss()
     n = len(batches)
+    hooks = StepInBackward(optimizer) if in_backward and optimizer is not None else None
+    try:
+        _micro_batches(model, batches, precision, tracker, loss_fn, n)
+    finally:
+        if hooks is not None:
+            hooks.remove()
+    if optimizer is not None:
+        if tracker is not None:
+            tracker.phase("opt")  # empty when every parameter stepped in backward
+        if hooks is None:
+            if max_grad_norm is not None:
+                params = [p for g in optimizer.param_groups for p in g["params"]]
+                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    if tracker is not None:
+        tracker.phase("idle")
+
+
+def _micro_batches(model: nn.Module, batches: Sequence[torch.Tensor], precision: str, tracker: StepTracker | None,
+                   loss_fn: LossPolicy, n: int) -> None:
     for m, batch in enumerate(batches):
         if tracker is not None:
             tracker.reset_mod_stats()  # MemTracker needs this between calls of the root module
@@ -67,16 +149,6 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, batches:
             tracker.phase("bwd", f"m{m}.")
         loss.backward()
         del loss
-    if optimizer is not None:
-        if tracker is not None:
-            tracker.phase("opt")
-        if max_grad_norm is not None:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    if tracker is not None:
-        tracker.phase("idle")
 
 
 def op_cost_model(profile: DeviceProfile) -> Callable[[Any, tuple, dict, Any], float]:

@@ -189,6 +189,9 @@ def export_safetensors(
             again = AutoTokenizer.from_pretrained(tmp)
             if again(text)["input_ids"] != tokenizer(text)["input_ids"]:
                 raise ExportError(f"the tokenizer saved for {out_dir} encodes differently after reloading.")
+            # The chat template travels with the folder, so apply_chat_template and pipelines work on it.
+            if getattr(tokenizer, "chat_template", None) and again.chat_template != tokenizer.chat_template:
+                raise ExportError(f"the chat template did not survive saving the tokenizer for {out_dir}.")
 
         files = {p.relative_to(tmp).as_posix(): file_record(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {

@@ -149,6 +149,7 @@ def log_model(client: Any, tracking_uri: str, run_id: str, export_dir: str | Pat
     import mlflow
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+    from mlflow.types.schema import Array, Object, Property
 
     export_dir = Path(export_dir)
     digest = _weights_digest(export_dir)
@@ -160,7 +161,10 @@ def log_model(client: Any, tracking_uri: str, run_id: str, export_dir: str | Pat
         ready = [m for m in found if str(getattr(m.status, "name", m.status)).upper().endswith("READY")]
         if ready:
             return f"models:/{ready[0].model_id}", ready[0].model_id
-    signature = ModelSignature(inputs=Schema([ColSpec("string", "prompt")]), outputs=Schema([ColSpec("string")]),
+    # A row holds a prompt or a conversation (rendered with the export's chat template).
+    turn = Object([Property("role", "string"), Property("content", "string")])
+    inputs = Schema([ColSpec("string", "prompt", required=False), ColSpec(Array(turn), "messages", required=False)])
+    signature = ModelSignature(inputs=inputs, outputs=Schema([ColSpec("string")]),
                                params=ParamSchema([ParamSpec("max_new_tokens", "long", 32)]))
     # Created here, in the run's experiment: left to itself, mlflow files it under the *active* experiment.
     logged = client.create_logged_model(run.info.experiment_id, name=name, source_run_id=run_id,

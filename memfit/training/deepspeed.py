@@ -21,7 +21,7 @@ from memfit.checkpoints.format import (
     rng_payload,
 )
 from memfit.config import TrainConfig
-from memfit.errors import CheckpointError
+from memfit.errors import CheckpointError, ConfigError
 from memfit.optim import lr_schedule, param_groups
 from memfit.schedule import capture_rng
 from memfit.training.strategies import RNG, TorchDistributed
@@ -46,10 +46,15 @@ class DeepSpeedStrategy(TorchDistributed):
         self.name, self.plan, self.cfg = plan.strategy, plan, cfg
         self.autocast_precision = "fp32"  # DeepSpeed casts the module itself (bf16 / fp16 sections)
 
-    def prepare(self, model: nn.Module, t: TrainConfig) -> None:
+    def prepare(self, model: nn.Module, t: TrainConfig, m: Any = None) -> None:
         from memfit.distributed.ds_config import config_for, import_deepspeed
         from memfit.distributed.strategies import check_same_weights
         from memfit.modeling import find_decoder_blocks
+
+        if self.cfg.memory.optimizer not in ("auto", "adamw"):
+            raise ConfigError(f"memory.optimizer: {self.cfg.memory.optimizer} with {self.name}: the DeepSpeed engine "
+                              "steps its own AdamW (CPU offload: distributed.offload_optimizer); set it to auto")
+        self.in_backward = None
 
         deepspeed = import_deepspeed()
         check_same_weights(model, self.info)

@@ -23,7 +23,7 @@ from memfit.optim import memory_now, step_metrics
 from memfit.reports import TrainReport
 from memfit.schedule import restore_rng, seed_everything
 from memfit.tracking.base import Tracker
-from memfit.training.loss import Batch, LossPolicy, blocks_batch, make_loss
+from memfit.training.loss import Batch, LossPolicy, blocks_batch, make_loss, trained_tokens
 from memfit.training.strategies import Agreement, SingleProcess
 
 log = logging.getLogger("memfit.train")
@@ -56,7 +56,7 @@ class Trainer:
         self.cfg, self.data, self.device = cfg, data, device
         self.tracker, self.checkpoints, self.identity = tracker, checkpoints, identity
         self.strategy = strategy or SingleProcess(device, cfg.train.precision)
-        self.strategy.prepare(model, cfg.train)
+        self.strategy.prepare(model, cfg.train, cfg.memory)
         s = self.strategy
         self.model, self.optimizer, self.scheduler, self.scaler = s.model, s.optimizer, s.scheduler, s.scaler
         t = cfg.train
@@ -67,6 +67,8 @@ class Trainer:
         self.resumed_from: int | None = None
         self.monitor = MemoryMonitor.for_run(cfg, device, tracker, *s.monitored())
         self.loss: LossPolicy = make_loss(cfg)
+        self.attn_implementation = attention_implementation(model)
+        self.trained_tokens_seen = 0
         seed_everything(t.seed + s.seed_offset())
 
     # -- state --------------------------------------------------------------------------------------------
@@ -108,7 +110,7 @@ class Trainer:
         # Every rank evaluates the same batches (FSDP2 forwards are collective); the result is identical.
         return evaluate_loss(self.strategy.eval_model(), self.data.val, self.cfg.train.micro_batch_size,
                              self.device, self.strategy.autocast_precision, max_batches or self.cfg.train.eval_batches,
-                             self.loss)
+                             self.loss, self.data.val_fields, self.attn_implementation)
 
     def log_initial_val_loss(self) -> None:
         """The validation loss before the first step (MLflow step 0), once per run: a resumed run keeps its own."""
@@ -125,7 +127,10 @@ class Trainer:
         for k in range(t.grad_accum_steps):
             # The same global order on every rank; each takes its slice of the micro-batch.
             idx = s.shard(self.order.next_indices(), t.micro_batch_size)
-            batch = blocks_batch(self.data.train, idx, self.device)
+            # Counted on the host rows, before the copy to the device (no sync): the tokens this micro-batch trains.
+            labels = self.data.train_fields.get("labels", self.data.train)
+            self.trained_tokens_seen += trained_tokens({"labels": labels[idx]})
+            batch = blocks_batch(self.data.train, idx, self.device, self.data.train_fields, self.attn_implementation)
             with s.micro_batch(last=k == t.grad_accum_steps - 1):
                 with autocast_context(self.device, s.autocast_precision):
                     loss = self.loss(self.model, batch)
@@ -242,20 +247,28 @@ class Trainer:
                 "the figures): stopped with a training checkpoint instead of running out of memory")
 
 
+def attention_implementation(model: nn.Module) -> str:
+    """The attention kernel family the model runs (sdpa, eager, flash_attention_2, ...): packed batches follow it."""
+    config = getattr(getattr(model, "module", model), "config", None)  # DDP wraps the model in .module
+    return str(getattr(config, "_attn_implementation", None) or "sdpa")
+
+
 @torch.no_grad()
 def evaluate_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int, device: torch.device,
-                  precision: str = "fp32", max_batches: int = 8, loss_fn: LossPolicy | None = None) -> float:
+                  precision: str = "fp32", max_batches: int = 8, loss_fn: LossPolicy | None = None,
+                  fields: dict[str, torch.Tensor] | None = None, attn_implementation: str | None = None) -> float:
     """Mean loss per trained token over the first `max_batches` validation batches (a fixed subset, so runs
-    compare)."""
+    compare); `fields` are the validation rows' labels / position_ids / attention_mask."""
     loss_fn = loss_fn or make_loss()
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for i in range(0, min(len(blocks), batch_size * max_batches), batch_size):
-        batch: Batch = blocks_batch(blocks, slice(i, i + batch_size), device)
+        batch: Batch = blocks_batch(blocks, slice(i, i + batch_size), device, fields,
+                                    attn_implementation or attention_implementation(model))
         with autocast_context(device, precision):
             loss = loss_fn(model, batch)
-        n = batch["input_ids"].numel()
+        n = trained_tokens(batch)  # the loss is a mean over these: weight each batch by them
         total += float(loss) * n
         count += n
     model.train(was_training)

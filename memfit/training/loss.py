@@ -2,22 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memfit.errors import ConfigError
 
 # A batch is a dict of tensors: input_ids and labels always ([batch, seq]; labels -100 where nothing is learned),
 # attention_mask / position_ids when the data's packing mode needs them.
 Batch = dict[str, torch.Tensor]
 
 
-def blocks_batch(blocks: torch.Tensor, idx: torch.Tensor | slice, device: torch.device | None = None) -> Batch:
-    """The batch of fixed token blocks `idx`: every token is learned (labels are the inputs, shifted in the loss)."""
-    ids = blocks[idx]
+def blocks_batch(blocks: torch.Tensor, idx: torch.Tensor | slice, device: torch.device | None = None,
+                 fields: dict[str, torch.Tensor] | None = None, attn_implementation: str = "sdpa") -> Batch:
+    """The batch of rows `idx`: input_ids, and labels (the inputs themselves for plain text blocks, else the data's
+    with -100 on untrained tokens); the packing mode's position_ids / attention_mask come along from `fields`."""
+    fields = fields or {}
+    rows = {"input_ids": blocks[idx], **{k: v[idx] for k, v in fields.items()}}
+    if "attention_mask" in rows:  # one padded example a row: cut the batch to its longest row (on the host)
+        longest = int(rows["attention_mask"].sum(-1).max())
+        rows = {k: v[:, :longest] for k, v in rows.items()}
     if device is not None:
-        ids = ids.to(device, non_blocking=True)
-    return {"input_ids": ids, "labels": ids}
+        rows = {k: v.to(device, non_blocking=True) for k, v in rows.items()}
+    rows.setdefault("labels", rows["input_ids"])
+    if "position_ids" in rows:  # padding-free packs: no attention across the examples of a row
+        from memfit.data.packing import packed_attention_mask
+
+        mask = packed_attention_mask(rows["position_ids"], attn_implementation, torch.float32)
+        if mask is not None:
+            rows["attention_mask"] = mask
+    return rows
 
 
 def trained_tokens(batch: Batch) -> int:
@@ -42,6 +59,124 @@ class PlainLoss:
         return model(**batch).loss
 
 
-def make_loss(cfg: object | None = None) -> LossPolicy:
-    """The run's loss policy (the one place a loss is chosen)."""
-    return PlainLoss()
+# The vocabulary size from which `memory.loss: auto` chunks: there the fp32 logits of a sequence ([seq, vocab] x 4
+# bytes, their gradient as much again) outweigh a decoder block's activations for common hidden sizes.
+CHUNKED_FROM_VOCAB = 32768
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    # PEFT keeps the transformers model inside; the decoder and head are that model's.
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _refuse_wrapped(model: nn.Module) -> None:
+    # DDP and FSDP2 act in the root module's forward (gradient sync, unsharding): calling the decoder inside
+    # them directly would bypass that.
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = isinstance(model, DistributedDataParallel)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        wrapped = wrapped or isinstance(model, FSDPModule)
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        pass
+    if wrapped:
+        raise ConfigError("memory.loss: chunked runs in one process only (DDP/FSDP2 need the model's own "
+                          "forward); set memory.loss to plain or auto")
+
+
+def _head_ce_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of one chunk of tokens: logits upcast to fp32 as transformers does."""
+    # A plain head runs functionally: the module called once per chunk would confuse per-module hooks (the
+    # memory tracker's); a wrapped head (adapters, quantized) keeps its own forward.
+    logits = (F.linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)).float()
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+
+
+class ChunkedLoss:
+    """The LM head and cross-entropy per chunk of tokens, each chunk recomputed in backward.
+
+    The decoder gives the final hidden states; each chunk's logits exist only inside its own forward (and again
+    inside its backward, under torch.utils.checkpoint), so no [batch, seq, vocab] tensor is ever alive. The
+    labels are shifted as transformers shifts them (the last position learns nothing) and -100 is ignored.
+    On CUDA with Liger installed its fused linear cross-entropy kernel does the same without the recompute.
+    """
+
+    name = "chunked"
+
+    def __init__(self, chunk_tokens: int = 1024, use_liger: bool = True) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.use_liger = use_liger
+
+    def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        _refuse_wrapped(model)
+        lm = _causal_lm(model)
+        head = lm.get_output_embeddings()
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        hidden = lm.base_model(**inputs, use_cache=False).last_hidden_state
+        labels = batch["labels"]
+        shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1).reshape(-1)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        fused = _liger_loss(head, flat, shifted) if self.use_liger else None
+        if fused is not None:
+            return fused
+        total = flat.new_zeros((), dtype=torch.float32)
+        for h, y in zip(flat.split(self.chunk_tokens), shifted.split(self.chunk_tokens), strict=True):
+            if torch.is_grad_enabled():
+                total = total + checkpoint(_head_ce_sum, head, h, y, use_reentrant=False)
+            else:
+                total = total + _head_ce_sum(head, h, y)
+        return total / (shifted != -100).sum().clamp(min=1)
+
+
+def _liger_loss(head: nn.Module, flat: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    """Liger's fused head + cross-entropy (Triton, CUDA only) when installed and the head is a plain Linear."""
+    if flat.device.type != "cuda" or type(head) is not nn.Linear:
+        return None
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="mean")(head.weight, flat, labels, head.bias)
+
+
+def resolve_loss(setting: str, vocab_size: int, world_size: int = 1) -> str:
+    """`memory.loss` as run: auto is chunked from CHUNKED_FROM_VOCAB entries on, in one process."""
+    if setting != "auto":
+        return setting
+    return "chunked" if vocab_size >= CHUNKED_FROM_VOCAB and world_size == 1 else "plain"
+
+
+def loss_by_name(name: str, chunk_tokens: int = 1024) -> LossPolicy:
+    if name == "plain":
+        return PlainLoss()
+    if name == "chunked":
+        return ChunkedLoss(chunk_tokens)
+    raise ConfigError(f"memory.loss: unknown loss {name!r}; choose auto, plain or chunked")
+
+
+class AutoLoss:
+    """`memory.loss: auto`: plain or chunked by the vocabulary of the model it is given (resolved once)."""
+
+    name = "auto"
+
+    def __init__(self, chunk_tokens: int, world_size: int) -> None:
+        self.chunk_tokens, self.world_size = chunk_tokens, world_size
+        self.chosen: LossPolicy | None = None
+
+    def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        if self.chosen is None:
+            vocab = _causal_lm(getattr(model, "module", model)).get_output_embeddings().weight.shape[0]
+            self.chosen = loss_by_name(resolve_loss("auto", vocab, self.world_size), self.chunk_tokens)
+        return self.chosen(model, batch)
+
+
+def make_loss(cfg: Any | None = None) -> LossPolicy:
+    """The run's loss policy (the one place a loss is chosen): memory.loss, plain without a config."""
+    if cfg is None:
+        return PlainLoss()
+    m = cfg.memory
+    if m.loss == "auto":
+        return AutoLoss(m.loss_chunk_tokens, cfg.distributed.world_size)
+    return loss_by_name(m.loss, m.loss_chunk_tokens)

@@ -22,8 +22,8 @@ from memfit.checkpoints.format import (
 from memfit.checkpoints.manager import CheckpointManager
 from memfit.checkpoints.reader import read_checkpoint_folder
 from memfit.checkpoints.sharded import ShardedCheckpointer, dcp_shards, load_into
-from memfit.config import TrainConfig
-from memfit.errors import CheckpointError
+from memfit.config import MemoryConfig, TrainConfig
+from memfit.errors import CheckpointError, ConfigError
 from memfit.schedule import capture_rng
 
 RNG = tuple[dict[str, Any], dict[str, Any]]  # (JSON-able python/numpy states, torch tensors)
@@ -59,14 +59,25 @@ class SingleProcess:
         return self.rank == 0
 
     # -- set-up ----------------------------------------------------------------------------------------
-    def prepare(self, model: nn.Module, t: TrainConfig) -> None:
+    def prepare(self, model: nn.Module, t: TrainConfig, m: MemoryConfig | None = None) -> None:
         """Place (and wrap) the model; the optimizer, schedule and loss scaler over what the ranks hold."""
+        m = m or MemoryConfig()
         if t.precision == "bf16-true":
             model.to(torch.bfloat16)
         self.model = self._wrap(model)
-        self.optimizer = optim.make_adamw(self.model, t.lr, t.weight_decay)
+        self.optimizer_kind = self._optimizer_kind(m.optimizer)
+        # memory.optimizer_in_backward (auto: off unless a plan turns it on); the config refused what it cannot do.
+        # With the CPU-offloaded AdamW torchao frees each gradient on the GPU instead (the step stays on the CPU).
+        in_backward = m.optimizer_in_backward is True
+        offloaded = self.optimizer_kind == "adamw-cpu-offload"
+        self.optimizer = optim.make_adamw(self.model, t.lr, t.weight_decay, kind=self.optimizer_kind,
+                                          offload_gradients=in_backward and offloaded)
         self.scheduler = optim.make_scheduler(self.optimizer, t)
         self.scaler = optim.make_scaler(self.device, t.precision)
+        self.in_backward = optim.StepInBackward(self.optimizer) if in_backward and not offloaded else None
+
+    def _optimizer_kind(self, setting: str) -> str:
+        return optim.resolve_optimizer(setting, self.device.type)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         return model.to(self.device)
@@ -100,6 +111,9 @@ class SingleProcess:
 
     def optimizer_step(self, max_grad_norm: float | None) -> float:
         """Clip, step, advance the schedule; the global gradient norm before clipping."""
+        if self.in_backward is not None:  # every parameter stepped in backward already, its gradient freed
+            self.scheduler.step()
+            return float(self.in_backward.finish())
         norm = optim.apply_gradients(self.model, self.optimizer, self.scheduler, self.scaler, max_grad_norm)
         full = getattr(norm, "full_tensor", None)  # FSDP2: a DTensor whose full value is the global norm
         return float(full() if callable(full) else norm)
@@ -153,11 +167,23 @@ class TorchDistributed(SingleProcess):
         # FSDP2 computes in bf16 through its mixed-precision policy; DDP autocasts like one process does.
         self.autocast_precision = "fp32" if name == "fsdp2" and precision == "bf16-mixed" else precision
 
-    def prepare(self, model: nn.Module, t: TrainConfig) -> None:
+    def prepare(self, model: nn.Module, t: TrainConfig, m: MemoryConfig | None = None) -> None:
         from memfit.distributed.strategies import check_same_weights
 
         check_same_weights(model, self.info)  # what every rank loaded, before any cast
-        super().prepare(model, t)
+        super().prepare(model, t, m)
+
+    def _optimizer_kind(self, setting: str) -> str:
+        # DDP replicas step plain tensors (any variant); FSDP2 steps DTensor shards, which only torch's
+        # default AdamW path is checked with here; the CPU-offload wrapper is for one GPU.
+        kind = optim.resolve_optimizer(setting, self.device.type)
+        if self.name == "fsdp2" and setting == "auto":
+            return "adamw"
+        allowed = ("adamw",) if self.name == "fsdp2" else ("adamw", "adamw-fused", "adamw-8bit")
+        if kind not in allowed:
+            raise ConfigError(f"memory.optimizer: {kind} is not supported with distributed.strategy {self.name}; "
+                              f"choose {' or '.join(allowed)} (or auto)")
+        return kind
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         from memfit.distributed.strategies import wrap_ddp, wrap_fsdp2

@@ -222,3 +222,13 @@ def test_broken_compose_file_fails(
                    compose_file=broken)
     assert res.returncode != 0, "compose accepted a broken file"
     assert message in res.stderr, res.stderr
+
+
+def test_serve_answers_from_the_stack_mlflow(model: dict[str, Any]) -> None:
+    svc = model["services"]["serve"]
+    cmd = svc["command"]
+    assert cmd[:3] == ["memfit", "serve-model", "models:/tiny@champion"] and "0.0.0.0" in cmd
+    assert svc["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert svc["depends_on"]["mlflow"]["condition"] == "service_healthy"
+    assert any(p["target"] == 8000 and str(p["published"]) == "8000" for p in svc["ports"]), svc["ports"]
+    assert any("/health" in part for part in svc["healthcheck"]["test"])

@@ -122,7 +122,7 @@ def test_loaders_leave_the_default_datasets_cache_alone(tmp_path, monkeypatch):
     ("setup", "expected"),
     [
         (lambda d: d / "missing", ["data.path", "not found", "unset it"]),
-        (lambda d: _write(d / "data.csv", "a,b\n"), ["data.path", "unsupported extension", ".jsonl"]),
+        (lambda d: _write(d / "data.xlsx", "a,b\n"), ["data.path", "unsupported extension", ".jsonl"]),
         (lambda d: _write(d / "sub" / "x.md", "hi").parent, ["data.path", "no .txt or .jsonl"]),
         (lambda d: _write(d / "r.jsonl", '{"body": "x"}\n'), ["data.text_field", "'text'", "body"]),
         (lambda d: _write(d / "r.jsonl", '{"text": "x"}\n{"other": 1}\n'), ["data.text_field", "record 2"]),

@@ -181,7 +181,9 @@ def layout_problems(block: str, repo: Path = REPO) -> list[str]:
         if not raw.strip():
             continue
         indent = len(raw) - len(raw.lstrip(" "))
-        name = raw.split()[0]
+        # A line names one entry, or several related modules joined by ", " (`a.py, b.py   what they do`).
+        names = re.match(r"\s*((?:[\w.-]+/?, )*[\w.-]+/?)", raw).group(1).split(", ")
+        name = names[0]
         if indent == 0:
             top.add(name.rstrip("/"))
             parent = name if name == "memfit/" else ""
@@ -192,9 +194,11 @@ def layout_problems(block: str, repo: Path = REPO) -> list[str]:
                              if not (repo / name / f).exists()]
         elif parent and indent == 2:
             sub = name if name.endswith("/") else ""
-            listed[parent + name] = listed.get(parent + name, 0) + 1
+            for n in names:
+                listed[parent + n] = listed.get(parent + n, 0) + 1
         elif parent and indent == 4 and sub:
-            listed[parent + sub + name] = listed.get(parent + sub + name, 0) + 1
+            for n in names:
+                listed[parent + sub + n] = listed.get(parent + sub + n, 0) + 1
     actual = {p.relative_to(repo).as_posix() + ("/" if p.is_dir() else "")
               for p in (repo / "memfit").rglob("*")
               if (p.suffix == ".py" and p.name != "__init__.py" and "__pycache__" not in p.parts)

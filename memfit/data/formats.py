@@ -1,0 +1,229 @@
+"""Reading records as users bring them (text, prompt/completion, messages) from files, saved datasets or the hub."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+import warnings
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+from memfit.config import DataConfig
+from memfit.data.synthetic import synthetic_corpus
+from memfit.datafiles import HUB_PREFIX, blank_data, data_files, missing_data, saved_dataset_dir
+from memfit.errors import DataError
+
+log = logging.getLogger("memfit.data")
+
+_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class Corpus(list[str]):
+    """The texts a preset's tokenizer is trained on, with the structured examples they came from.
+
+    A list of str so every caller that hashes or trains on texts works unchanged; `examples` holds the normalised
+    records ({"text"}, {"prompt", "completion"} or {"messages"}) and `origins` where each came from (file, record).
+    """
+
+    def __init__(self, texts: list[str], fmt: str = "text", examples: list[dict[str, Any]] | None = None,
+                 origins: list[tuple[str, int]] | None = None) -> None:
+        super().__init__(texts)
+        self.format = fmt
+        self.examples = examples if examples is not None else [{"text": t} for t in texts]
+        self.origins = origins if origins is not None else [("<texts>", i + 1) for i in range(len(texts))]
+
+    def digest(self) -> str:
+        """sha256 of the examples and their format; the text format digests exactly as a plain list of texts."""
+        h = hashlib.sha256()
+        items = list(self) if self.format == "text" else [
+            json.dumps({"format": self.format, **e}, sort_keys=True) for e in self.examples]
+        for t in items:
+            raw = t.encode("utf-8")
+            # Length-prefixing makes ["ab", "c"] and ["a", "bc"] digest differently.
+            h.update(len(raw).to_bytes(8, "little"))
+            h.update(raw)
+        return h.hexdigest()
+
+
+def data_digest(texts: list[str]) -> str:
+    """sha256 hex of the texts (or a Corpus's examples), order-sensitive; the same data gives the same digest."""
+    return texts.digest() if isinstance(texts, Corpus) else Corpus(list(texts)).digest()
+
+
+def _quiet_datasets() -> Any:
+    import datasets  # lazy: importing datasets costs ~1 s, and only real data needs it
+
+    with warnings.catch_warnings():  # it warns when HF_DATASETS_DISABLE_PROGRESS_BARS pins the setting
+        warnings.simplefilter("ignore")
+        datasets.utils.disable_progress_bars()  # a "Generating train split" bar per load is noise in a log
+    return datasets
+
+
+def _root_cause(err: BaseException) -> str:
+    # DatasetGenerationError wraps the useful message (e.g. the JSON parse error): use the root cause.
+    root: BaseException = err
+    while root.__cause__ is not None:
+        root = root.__cause__
+    return (str(root).strip().splitlines() or [type(root).__name__])[0]
+
+
+def _read_files(suffix: str, files: list[Path], cache_dir: str) -> Any:
+    datasets = _quiet_datasets()
+    # .txt: blank-line separated paragraphs become documents; line breaks inside a paragraph are kept.
+    kwargs = {"sample_by": "paragraph"} if suffix == ".txt" else {}
+    try:
+        # The packaged builders read local files only; cache_dir keeps the Arrow cache out of the user's home.
+        return datasets.load_dataset(_BUILDERS[suffix], data_files=[str(f) for f in files], split="train",
+                                     cache_dir=cache_dir, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the builders raise many types (ArrowInvalid, DatasetGenerationError, ...)
+        hint = {".jsonl": "each line must be one JSON object", ".parquet": "is it a complete parquet file?",
+                ".csv": "it needs a header row"}.get(suffix, "check the file encoding")
+        where = files[0] if len(files) == 1 else files[0].parent
+        raise DataError(f"data.path: could not read the {suffix} data at {where} ({_root_cause(err)}); "
+                        f"{hint}") from None
+
+
+def _read_saved(path: Path, split: str) -> Any:
+    datasets = _quiet_datasets()
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as err:  # noqa: BLE001
+        raise DataError(f"data.path: could not read the saved dataset at {path} ({_root_cause(err)}); "
+                        "point data.path at a folder written by save_to_disk") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"data.split: the saved dataset at {path} has no split {split!r} "
+                            f"(splits: {', '.join(ds)}); set data.split")
+        ds = ds[split]
+    return ds
+
+
+def _read_hub(name: str, split: str, cache_dir: str) -> Any:
+    datasets = _quiet_datasets()
+    try:
+        return datasets.load_dataset(name, split=split, cache_dir=cache_dir)
+    except Exception as err:  # noqa: BLE001 - hub, network and builder errors all mean "could not load"
+        raise DataError(f"data.path: could not load dataset {name!r} split {split!r} with datasets.load_dataset "
+                        f"({_root_cause(err)}); check the id, the split (data.split) and the network") from None
+
+
+def detect_format(columns: list[str], cfg: DataConfig, where: str) -> str:
+    """The record layout data.format names, or under auto the one the columns show (logged with the reason)."""
+    fields = ", ".join(columns) or "none"
+    if cfg.format != "auto":
+        return cfg.format
+    if cfg.messages_field in columns:
+        fmt, why = "messages", f"records have a {cfg.messages_field!r} field"
+    elif cfg.prompt_field in columns and cfg.completion_field in columns:
+        fmt, why = "prompt_completion", f"records have {cfg.prompt_field!r} and {cfg.completion_field!r} fields"
+    elif cfg.text_field in columns:
+        fmt, why = "text", f"records have a {cfg.text_field!r} field"
+    else:
+        raise DataError(f"data.text_field: the records at {where} have no {cfg.text_field!r} field (nor "
+                        f"{cfg.messages_field!r}, nor {cfg.prompt_field!r} + {cfg.completion_field!r}; fields: "
+                        f"{fields}); set data.text_field, or data.format and its field names")
+    log.info("data: format %s recognised in %s (%s)", fmt, where, why)
+    return fmt
+
+
+def _bad(key: str, where: str, n: int, field: str, problem: str, fix: str) -> DataError:
+    return DataError(f"data.{key}: {where} record {n}: field {field!r} {problem}; {fix}")
+
+
+def _messages(value: Any, where: str, n: int, field: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        what = "is missing" if value is None else "is an empty conversation" if value == [] else "is not a list"
+        raise _bad("messages_field", where, n, field, what,
+                   "give a non-empty list of {role, content} turns (or drop the record)")
+    turns = []
+    for i, turn in enumerate(value):
+        for key in ("role", "content"):
+            if not isinstance(turn, dict) or not isinstance(turn.get(key), str):
+                raise _bad("messages_field", where, n, f"{field}[{i}].{key}", "is missing or not a string",
+                           "every turn needs string role and content")
+        turns.append({"role": turn["role"], "content": turn["content"]})
+    return turns
+
+
+def normalise(rows: list[dict[str, Any]], fmt: str, cfg: DataConfig, where: str
+              ) -> list[dict[str, Any]]:
+    """Rows of one file as memfit's examples, each checked; a bad one fails naming the file, record and field."""
+    out = []
+    for n, row in enumerate(rows, start=1):
+        if fmt == "messages":
+            out.append({"messages": _messages(row.get(cfg.messages_field), where, n, cfg.messages_field)})
+            continue
+        keys = ("text_field",) if fmt == "text" else ("prompt_field", "completion_field")
+        values = []
+        for key in keys:
+            name = getattr(cfg, key)
+            value = row.get(name)
+            if not isinstance(value, str):
+                what = "is missing" if value is None else "is a non-string"
+                raise _bad(key, where, n, name, what, f"every {fmt} record needs a string there "
+                           "(or set data.format and the data.*_field names)")
+            values.append(value)
+        out.append({"text": values[0]} if fmt == "text" else {"prompt": values[0], "completion": values[1]})
+    return out
+
+
+def _texts_of(example: dict[str, Any]) -> str:
+    if "messages" in example:  # role markers as the presets' template writes them: their tokens get merges
+        return "\n".join(f"<|{t['role']}|>\n{t['content']}" for t in example["messages"])
+    return example.get("text") or example["prompt"] + example["completion"]
+
+
+def _tables(cfg: DataConfig, cache_dir: str) -> list[tuple[str, Any, str]]:
+    """(where, datasets.Dataset, file suffix) for every source data.path names, in sorted file order."""
+    assert cfg.path is not None
+    if cfg.path.startswith(HUB_PREFIX):
+        name = cfg.path[len(HUB_PREFIX):]
+        return [(name, _read_hub(name, cfg.split, cache_dir), "")]
+    path = Path(cfg.path).expanduser()
+    if not path.exists():
+        raise missing_data(path)
+    if saved_dataset_dir(path):
+        return [(str(path), _read_saved(path, cfg.split), "")]
+    files = [f for f in data_files(path) if f.stat().st_size > 0]  # empty files add nothing; builders fail on them
+    out = []
+    for suffix, group in groupby(files, key=lambda p: p.suffix.lower()):
+        group = list(group)
+        if suffix == ".txt":  # one call for a run of .txt files keeps the order and stays fast
+            out.append((str(path), _read_files(suffix, group, cache_dir), suffix))
+        else:  # one call per file, so a bad record is named by its file and record number
+            out += [(str(f), _read_files(suffix, [f], cache_dir), suffix) for f in group]
+    return out
+
+
+def load_texts(data_cfg: DataConfig) -> Corpus:
+    """The examples to train on: the synthetic corpus, or every record under data.path, as a Corpus."""
+    if data_cfg.path is None:
+        if data_cfg.format not in ("auto", "text"):
+            raise DataError(f"data.format: {data_cfg.format} needs data.path (the synthetic corpus is text)")
+        return Corpus(synthetic_corpus(data_cfg.synthetic_docs, data_cfg.seed))
+    examples: list[dict[str, Any]] = []
+    origins: list[tuple[str, int]] = []
+    formats: set[str] = set()
+    with tempfile.TemporaryDirectory(prefix="memfit-datasets-") as cache_dir:
+        for where, ds, suffix in _tables(data_cfg, cache_dir):
+            if ds.num_rows == 0:
+                continue
+            is_txt = suffix == ".txt"  # paragraphs are text whatever data.format says for the other files
+            fmt = "text" if is_txt else detect_format(list(ds.column_names), data_cfg, where)
+            cfg = data_cfg.model_copy(update={"text_field": "text"}) if is_txt else data_cfg
+            rows = normalise(ds.to_list(), fmt, cfg, where)
+            formats.add(fmt)
+            examples += rows
+            origins += [(where, n) for n in range(1, len(rows) + 1)]
+    if len(formats) > 1:
+        raise DataError(f"data.path: {data_cfg.path} mixes formats ({', '.join(sorted(formats))}); "
+                        "keep one format per run (or set data.format)")
+    fmt = formats.pop() if formats else "text"
+    keep = [i for i, e in enumerate(examples) if fmt != "text" or e["text"].strip()]
+    examples, origins = [examples[i] for i in keep], [origins[i] for i in keep]
+    if not examples:
+        raise blank_data(Path(data_cfg.path))
+    return Corpus([_texts_of(e) for e in examples], fmt, examples, origins)

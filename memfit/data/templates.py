@@ -1,0 +1,128 @@
+"""Chat templates: the tokenizer's own, one from data.chat_template, the presets' default; rendering with turn masks."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from memfit.config import DataConfig
+from memfit.errors import DataError
+
+# Every template here marks assistant turns with {% generation %}: apply_chat_template then returns the mask of
+# assistant tokens from the rendered text's offsets, so labels never come from searching decoded text.
+_ROLE_CHECK = ("{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+               "{{ raise_exception('unknown role ' ~ message['role'] ~ ': use system, user or assistant') }}"
+               "{%- endif -%}")
+
+# The presets' default: plain-text role markers (the tiny BPE learns them) and eos closing each answer, so a
+# generation stops where a trained answer stops.
+PRESET_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}" + _ROLE_CHECK +
+    "{{ '<|' ~ message['role'] ~ '|>\n' }}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}{{ message['content'] ~ eos_token }}{% endgeneration %}{{ '\n' }}"
+    "{%- else -%}{{ message['content'] ~ '\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\n' }}{%- endif -%}")
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}" + _ROLE_CHECK +
+    "{{ '<|im_start|>' ~ message['role'] ~ '\n' }}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}{{ message['content'] ~ '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{%- else -%}{{ message['content'] ~ '<|im_end|>\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}")
+
+LLAMA3_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}" + _ROLE_CHECK +
+    "{{ '<|start_header_id|>' ~ message['role'] ~ '<|end_header_id|>\n\n' }}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}{{ message['content'] | trim ~ '<|eot_id|>' }}{% endgeneration %}"
+    "{%- else -%}{{ message['content'] | trim ~ '<|eot_id|>' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif -%}")
+
+BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE, "llama-3": LLAMA3_TEMPLATE, "memfit-preset": PRESET_CHAT_TEMPLATE}
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def has_generation_markers(template: str) -> bool:
+    return bool(_GENERATION.search(template))
+
+
+def configured_template(data: DataConfig) -> str | None:
+    """The template data.chat_template names (a built-in name or a Jinja file), or None when unset."""
+    name = data.chat_template
+    if name is None:
+        return None
+    if name in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[name]
+    path = Path(name).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        why = "not found" if isinstance(err, FileNotFoundError) else f"unreadable ({err})"
+        raise DataError(f"data.chat_template: {path} {why}; give a Jinja chat template file or one of "
+                        f"{', '.join(sorted(BUILTIN_TEMPLATES))}") from None
+
+
+def template_source(data: DataConfig) -> str:
+    return f"data.chat_template={data.chat_template}" if data.chat_template else "the tokenizer's chat template"
+
+
+def check_template_source(data: DataConfig) -> None:
+    """A given template exists; with train_on: assistant it must mark assistant turns (preflight's check)."""
+    template = configured_template(data)
+    if template is not None and data.train_on == "assistant" and not has_generation_markers(template):
+        raise _no_markers(data)
+
+
+def _no_markers(data: DataConfig) -> DataError:
+    return DataError(f"data.train_on: assistant needs a chat template that marks assistant turns with "
+                     f"{{% generation %}}...{{% endgeneration %}}; {template_source(data)} has none (every label "
+                     "would be -100): add the markers, set data.chat_template (chatml, llama-3 or a file), "
+                     "or use data.train_on: all")
+
+
+def use_configured_template(tokenizer: Any, data: DataConfig) -> Any:
+    """Set data.chat_template on the tokenizer, so training, evaluation and the export all render with it."""
+    template = configured_template(data)
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def chat_template(tokenizer: Any, data: DataConfig) -> str:
+    """The template messages data renders with; a clear error when the model has none, or cannot mark answers."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one renders conversations
+        template = template.get("default")
+    if not template:
+        raise DataError("data.chat_template: the model's tokenizer has no chat template, which messages data "
+                        "needs; set data.chat_template to a Jinja file or a built-in (chatml, llama-3)")
+    if data.train_on in ("assistant", "completion") and not has_generation_markers(template):
+        raise _no_markers(data)
+    return template
+
+
+def render_turns(tokenizer: Any, messages: list[dict[str, str]], where: tuple[str, int], field: str
+                 ) -> tuple[list[int], list[int]]:
+    """(input_ids, assistant mask) of one conversation through apply_chat_template's generation markers."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, add_generation_prompt=False)
+    except TemplateError as err:
+        raise DataError(f"data.path: {where[0]} record {where[1]}: field {field!r}: the chat template refused "
+                        f"it ({err}); use roles the template knows or another data.chat_template") from None
+    ids = list(out["input_ids"])
+    return ids, list(out.get("assistant_masks") or [0] * len(ids))
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The text a model continues to answer `messages` (the template with its generation prompt)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

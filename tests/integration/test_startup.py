@@ -1,0 +1,50 @@
+"""`memfit run` starts Prefect's server first, so that it boots while torch, the flow and Prefect import."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "transformers", "mlflow", "prefect", "onnx")
+
+# Runs `memfit run` as the console script does, with subprocess.Popen watched: when the uvicorn server is
+# started, print which heavy packages this process had imported by then, and leave (nothing else is needed).
+SPY = """
+import json, os, subprocess, sys
+real, watched = subprocess.Popen, json.loads(sys.argv[1])
+class Spy(real):
+    def __init__(self, args, *rest, **kwargs):
+        if "uvicorn" in args:
+            heavy = sorted(m for m in watched if m in sys.modules)
+            print("AT-SERVER-START", json.dumps({"heavy": heavy, "env": kwargs.get("env", {}).get(
+                "PREFECT__SERVER_EPHEMERAL"), "new_session": kwargs.get("start_new_session")}), flush=True)
+            os._exit(0)
+        super().__init__(args, *rest, **kwargs)
+subprocess.Popen = Spy
+sys.argv = ["memfit", "run", *sys.argv[2:]]
+from memfit.cli import main
+main()
+"""
+
+
+def test_server_process_starts_before_the_heavy_imports(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    sets = [f"run.work_dir={tmp_path / 'work'}", f"checkpoint.uri={tmp_path / 'ckpt'}",
+            f"export.dir={tmp_path / 'export'}"]
+    proc = subprocess.run([sys.executable, "-c", SPY, json.dumps(HEAVY), str(REPO / "configs" / "tiny.yaml"),
+                           *[a for s in sets for a in ("--set", s)]], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("AT-SERVER-START ")]
+    assert lines, f"no Prefect server was started (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    seen = json.loads(lines[0].split(" ", 1)[1])
+    # Imported before the server's Popen, these would run before it boots instead of beside it.
+    assert seen["heavy"] == [], seen
+    assert seen["env"] == "1" and seen["new_session"] is True  # Prefect's ephemeral server, in its own session
