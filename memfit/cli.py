@@ -253,12 +253,40 @@ def estimate(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = 
                    f"{'fits' if out['fits'] else 'does NOT fit'}")
 
 
+def _max_seq(config: Any, set_: Any, device: str | None, budget_gb: float | None, as_json: bool) -> None:
+    try:
+        from memfit.memory.search import max_seq_report
+
+        out = max_seq_report(_load(config, set_), device, budget_gb)
+    except MemfitError as err:
+        _fail(err)
+    if as_json:
+        typer.echo(json.dumps(out, sort_keys=True))
+    else:
+        s = out["stack"]
+        typer.echo(f"longest data.seq_len that fits {out['limit_bytes'] / 1e9:.4g} GB on {out['device']}: "
+                   f"{out['max_seq_len']} tokens with {s['policy']}, {s['precision']}, micro-batch "
+                   f"{s['micro_batch_size']}{', LoRA' if s['lora'] else ''}"
+                   f"{', NF4 base' if s['quantize'] == 'nf4' else ''}")
+        if out["note"]:
+            typer.echo(f"note: {out['note']}")
+    if out["max_seq_len"] == 0:
+        if not as_json:
+            typer.echo("error: no sequence length fits the budget with this stack", err=True)
+        raise typer.Exit(2)
+
+
 @app.command()
 def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None, budget_gb: BudgetOpt = None,
-         as_json: JsonOpt = False) -> None:
-    """Choose the optimisation stack (checkpointing per block, precision, micro-batch, LoRA) that fits the
-    budget with the least predicted slowdown, and show the candidates it weighed."""
+         max_seq: Annotated[bool, typer.Option("--max-seq", help="Also report the longest data.seq_len that fits "
+                                               "the budget with the chosen stack (bisection over estimates).")]
+         = False, as_json: JsonOpt = False) -> None:
+    """Choose the optimisation stack (checkpointing per block, precision, micro-batch, LoRA, a 4-bit base) that
+    fits the budget with the least predicted slowdown, and show the candidates it weighed."""
     _environment()
+    if max_seq:
+        _max_seq(config, set_, device, budget_gb, as_json)
+        return
     try:
         cfg = _load(config, set_)
         from memfit.memory.search import plan_report, plan_table_markdown

@@ -184,6 +184,18 @@ class LoraConfig(_Section):
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="Module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj]; "
         "all-linear: every linear layer but the output head.")
+    quantize: Literal["none", "nf4"] = Field(
+        "none", description="QLoRA: nf4 holds the frozen base's linear layers in 4-bit NF4 with double "
+        "quantization (bitsandbytes; compute in train.precision); the export dequantizes and merges into a "
+        "plain model. Needs LoRA (lora.enabled true or auto); with auto the planner uses it only when no "
+        "stack fits without it.")
+
+    @model_validator(mode="after")
+    def _quantize_needs_lora(self) -> LoraConfig:
+        if self.quantize != "none" and self.enabled is False:
+            raise ValueError(f"lora.quantize={self.quantize} quantizes the frozen base, which only LoRA has: "
+                             "set lora.enabled=true (or auto), or lora.quantize=none")
+        return self
 
     @field_validator("target_modules")
     @classmethod
@@ -333,6 +345,9 @@ class ExportConfig(_Section):
         "weight matrix perturbed by 1% of its std: 97% to 100% per shape, by 10%: 87% to 100% (so the KL and "
         "max-diff limits catch a wrong graph first; top-1 says whether greedy outputs changed).")
     opset: int | None = Field(None, ge=13, description="ONNX opset; default: the exporter's.")
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="dtype of the SafeTensors export's weights (LoRA adapters merged first, a 4-bit "
+        "base dequantized); the ONNX export and its parity check stay fp32.")
     uri: str | None = Field(None, description="Also upload the verified export here (a folder or "
                             "s3://bucket/prefix), files first and a manifest.json last. Unset: local only.")
 

@@ -1,12 +1,13 @@
-"""LoRA through peft: adapters on a causal LM, only they train; merged back into the weights for export."""
+"""LoRA through peft: adapters on a (16-bit or 4-bit) frozen base, only they train; merged back for export."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
-from memfit.errors import ConfigError
+from memfit.errors import CheckpointError, ConfigError
 
 LORA_KEY_MARK = ".lora_"
 
@@ -40,6 +41,33 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> nn.Module:
     return wrapped
 
 
+def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen floating-point weights in the compute dtype (the mixed-precision LoRA recipe); trainable ones, and
+    so their gradients and optimizer state, stay as they are (fp32). Buffers (rotary tables) are left alone."""
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def prepare_lora_model(model: nn.Module, lora_cfg: Any, precision: str, quantize: str | None = None,
+                       fake: bool = False, seed: int = 0) -> nn.Module:
+    """The one place a LoRA training model is built: the base quantized (lora.quantize, or `quantize`), the
+    adapters added (their init drawn from `seed`), every frozen weight held in train.precision's compute
+    dtype. `fake`: the estimator's meta-device model (quantization by same-sized stand-ins)."""
+    from memfit.quantization import compute_dtype, quantization_for
+
+    policy = quantization_for(lora_cfg.quantize if quantize is None else quantize, precision, fake=fake)
+    if policy is not None:
+        model = policy.apply(model)
+    # Seeded and forked: the adapters' random init must not depend on what ran before in this process
+    # (the probe, another run), nor move the caller's RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = apply_lora(model, lora_cfg)
+    hold_frozen_in(model, compute_dtype(precision))
+    return model
+
+
 def lora_wanted(lora_cfg: Any) -> bool | None:
     """True/False when lora.enabled fixes it; None when the planner decides (auto)."""
     return None if lora_cfg.enabled == "auto" else bool(lora_cfg.enabled)
@@ -47,6 +75,52 @@ def lora_wanted(lora_cfg: Any) -> bool | None:
 
 def is_lora_state(state_dict: dict[str, Any]) -> bool:
     return any(LORA_KEY_MARK in k for k in state_dict)
+
+
+def is_adapted(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a training checkpoint holds of the model: every weight, or with adapters only the trainable ones
+    (the frozen base, 16-bit or 4-bit, is rebuilt from model.name_or_path or the preset on resume and export)."""
+    state = model.state_dict()
+    if not is_adapted(model):
+        return state
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trainable}
+
+
+def load_trainable_state(model: nn.Module, state: dict[str, Any], where: str = "training checkpoint") -> None:
+    """Load a training checkpoint's model state: all of it, or (adapters) every trainable weight at least."""
+    if not is_adapted(model):
+        model.load_state_dict(state, strict=True)
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    lacking = sorted(trainable & set(missing))
+    if unexpected or lacking:
+        what = f"unexpected keys {unexpected[:3]}" if unexpected else f"no value for {lacking[:3]}"
+        raise CheckpointError(f"{where} does not fit the LoRA model of its config ({what}); check lora.r, "
+                              "lora.target_modules and lora.quantize against the run that saved it")
+
+
+def merged_from_state(model: nn.Module, lora_cfg: Any, state: dict[str, Any],
+                      where: str = "training checkpoint") -> nn.Module:
+    """A plain model (for evaluation and export) from a freshly loaded base and a training checkpoint's state:
+    with adapters, the base as training held it (a 4-bit base quantized and dequantized), the adapters loaded
+    and merged in; without, the weights loaded as they are."""
+    if not is_lora_state(state):
+        model.load_state_dict(state, strict=True)
+        return model
+    from memfit.quantization import quantization_for
+
+    policy = quantization_for(lora_cfg.quantize, "fp32")
+    if policy is not None:
+        model = policy.round_trip(model)
+    model = apply_lora(model, lora_cfg)
+    load_trainable_state(model, state, where)
+    return merge_lora(model)
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

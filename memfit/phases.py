@@ -112,6 +112,7 @@ def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
                       precision=chosen.stack.precision, micro_batch_size=chosen.stack.micro_batch_size,
                       grad_accum_steps=chosen.stack.grad_accum_steps, reason=plan.reason,
                       description=policy.describe(), block_kinds=list(chosen.kinds), lora=chosen.stack.lora,
+                      quantize=chosen.stack.quantize,
                       fits=plan.fits, predicted_peak_bytes=chosen.peak_bytes,
                       predicted_overhead=row["predicted_overhead"], budget_bytes=budget, budget_source=source,
                       alternatives=[plan.row(e) for e in plan.table if e is not chosen],
@@ -219,7 +220,8 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
 def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> ExportReport:
     """Load the final training checkpoint, evaluate, export SafeTensors + ONNX (verified), gate and register."""
     from memfit.evaluation import generate_heldout, generate_samples, log_generations, perplexity
-    from memfit.lora import apply_lora, is_lora_state, merge_lora
+    from memfit.lora import merged_from_state
+    from memfit.release.from_checkpoint import config_from_checkpoint
     from memfit.release.publish import release
     from memfit.training.loop import evaluate_loss
 
@@ -233,14 +235,10 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
     final = manager.latest(dest)
     if final is None:
         raise CheckpointError(f"no complete training checkpoint under {cfg.checkpoint.uri} to export")
-    model = inputs.model
-    if is_lora_state(final.model_state):
-        # A LoRA run's training checkpoint holds the adapted model: rebuild it, load, fold the adapters in.
-        model = apply_lora(model, cfg.lora)
-        model.load_state_dict(final.model_state, strict=True)
-        model = merge_lora(model)
-    else:
-        model.load_state_dict(final.model_state, strict=True)
+    # A LoRA run's training checkpoint holds its adapters: the base rebuilt as the planned run held it (its
+    # saved config says whether the plan quantized it), the adapters loaded and folded in.
+    model = merged_from_state(inputs.model, config_from_checkpoint(final, final.info.uri).lora, final.model_state,
+                              f"training checkpoint {final.info.uri}")
     model.to(device=device, dtype=torch.float32)  # exports and evaluation are fp32
     val_loss = evaluate_loss(model, data.val, cfg.train.micro_batch_size, device, "fp32", cfg.train.eval_batches,
                              fields=data.val_fields)

@@ -34,6 +34,7 @@ class PlanReport(_Report):
     block_kinds: list[str] | None = Field(None, description="Checkpointing per decoder block: none, selective, "
                                           "full or offload.")
     lora: bool = False
+    quantize: str = Field("none", description="The frozen base's quantization with LoRA: none or nf4.")
     fits: bool | None = None
     predicted_peak_bytes: int | None = None
     predicted_overhead: float | None = Field(None, description="Predicted step time / no checkpointing - 1.")

@@ -97,18 +97,21 @@ def plan_policy(cfg: MemfitConfig, name: str, every_k: int | None, kinds: Any) -
 
 
 def planned_config(cfg: MemfitConfig, plan: PlanReport) -> MemfitConfig:
-    """The config the trainer runs: precision and accumulation as planned (the global batch never changes)."""
+    """The config the trainer runs: precision, accumulation, LoRA and its quantization as planned (the global
+    batch never changes); training checkpoints save it, so an export rebuilds the base that was trained."""
     train = cfg.train.model_copy(update={"precision": plan.precision, "grad_accum_steps": plan.grad_accum_steps})
-    return cfg.model_copy(update={"train": train})
+    lora = cfg.lora.model_copy(update={"enabled": plan.lora, "quantize": plan.quantize if plan.lora else "none"})
+    return cfg.model_copy(update={"train": train, "lora": lora})
 
 
 
 def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanReport) -> torch.nn.Module:
-    """LoRA adapters when planned, then the planned gradient-checkpointing policy (its one entry point)."""
+    """LoRA adapters (on a 16-bit or 4-bit frozen base) when planned, then the planned gradient-checkpointing
+    policy (its one entry point)."""
     if plan.lora:
-        from memfit.lora import apply_lora
+        from memfit.lora import prepare_lora_model
 
-        model = apply_lora(model, cfg.lora)
+        model = prepare_lora_model(model, cfg.lora, plan.precision, quantize=plan.quantize, seed=cfg.train.seed)
     kinds = plan.block_kinds if plan.policy == "mixed" else None
     apply_policy(model, plan_policy(cfg, plan.policy, plan.every_k, kinds))
     return model

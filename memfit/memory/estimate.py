@@ -61,11 +61,15 @@ def _with_depth(hf_config: Any, n: int) -> Any:
     return c
 
 
-def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any) -> torch.nn.Module:
+def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any, quantize: str = "none"
+               ) -> torch.nn.Module:
     """The model with fake weights (shapes and dtypes only), as training would hold it.
 
-    Built on the meta device (no init, no memory), LoRA added and dtypes set there, then every parameter
-    and buffer becomes a fake CPU tensor (fake tensors themselves cannot go through Module.to()).
+    Built on the meta device (no init, no memory), then made the training model there by the trainer's own
+    code (memfit.lora.prepare_lora_model: base quantized, adapters added, frozen weights in the compute
+    dtype); then every parameter and buffer becomes a fake CPU tensor (fake tensors themselves cannot go
+    through Module.to()). A 4-bit base is booked from its layers' shapes: same-sized stand-ins for
+    bitsandbytes' packed codes and statistics (memfit.quantization), since fake tensors cannot hold them.
     """
     from transformers import AutoModelForCausalLM
 
@@ -73,9 +77,9 @@ def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any) 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     if lora_cfg is not None:
-        from memfit.lora import apply_lora
+        from memfit.lora import prepare_lora_model
 
-        model = apply_lora(model, lora_cfg)
+        model = prepare_lora_model(model, lora_cfg, precision, quantize=quantize, fake=True)
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # the trainer casts the adapters too
     _meta_to_fake(model, mode)
@@ -158,10 +162,18 @@ class Estimator:
     # -- tracing -----------------------------------------------------------------------------------------
     def _build(self, n: int, stack: Stack, mode: Any) -> torch.nn.Module:
         return fake_model(_with_depth(self.hf_config, n), stack.precision,
-                          self.lora_cfg if stack.lora else None, mode)
+                          self.lora_cfg if stack.lora else None, mode, stack.quantize if stack.lora else "none")
+
+    def at_seq_len(self, seq_len: int) -> Estimator:
+        """The same model and target at another sequence length (the weights' and optimizer's trace reused)."""
+        if seq_len == self.seq_len:
+            return self
+        other = copy.copy(self)
+        other.seq_len, other._traces = seq_len, {}
+        return other
 
     def static(self, stack: Stack) -> StaticTrace:
-        key = (stack.precision, stack.lora, stack.optimizer, stack.optimizer_in_backward)
+        key = (stack.precision, stack.lora, stack.quantize, stack.optimizer, stack.optimizer_in_backward)
         if key not in self._statics:
             t0 = time.perf_counter()
             self._statics[key] = self._trace_static(stack)
@@ -191,9 +203,11 @@ class Estimator:
         scratch = max(0, opt_peak["optimizer"] - after["optimizer"])
         opt_peak["optimizer"] -= scratch
         opt_peak["other"] += scratch
+        from memfit.quantization import logical_param_count
+
         params = list(model.parameters())
         return StaticTrace(n_blocks=self.n_blocks, before_opt=before, after_opt=after, opt_peak=opt_peak,
-                           opt_seconds=opt_seg.seconds, n_params=sum(p.numel() for p in params),
+                           opt_seconds=opt_seg.seconds, n_params=logical_param_count(model),
                            n_trainable=sum(p.numel() for p in params if p.requires_grad),
                            weight_bytes=sum(p.numel() * p.element_size() for p in params),
                            host_bytes=optimizer_host_bytes(optimizer))
@@ -228,8 +242,8 @@ class Estimator:
 
     def _traced(self, stack: Stack, kind: str, micro_batch: int, n_micro: int) -> KindTrace:
         # The optimizer runs inside backward only when it steps there.
-        key = (stack.precision, stack.lora, kind, micro_batch, n_micro, stack.loss, stack.optimizer_in_backward,
-               stack.optimizer if stack.optimizer_in_backward else None)
+        key = (stack.precision, stack.lora, stack.quantize, kind, micro_batch, n_micro, stack.loss,
+               stack.optimizer_in_backward, stack.optimizer if stack.optimizer_in_backward else None)
         if key not in self._traces:
             t0 = time.perf_counter()
             self._traces[key] = self._trace_kind(replace(stack, micro_batch_size=micro_batch,
@@ -313,7 +327,8 @@ def trace_whole_step(hf_config: Any, stack: Stack, kinds: Sequence[str], seq_len
                      max_grad_norm: float | None = 1.0) -> dict[str, Any]:
     """The whole-depth step traced in one go (no composition): slower, used to check the composition."""
     with fake_tracing() as mode:
-        model = fake_model(hf_config, stack.precision, lora_cfg if stack.lora else None, mode)
+        model = fake_model(hf_config, stack.precision, lora_cfg if stack.lora else None, mode,
+                           stack.quantize if stack.lora else "none")
         blocks = find_blocks(model, block_class)
         token = OFFLOAD_EMULATION.set(("offload" in kinds) and (lambda t: t, lambda t: t) or None)
         try:

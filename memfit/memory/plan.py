@@ -62,7 +62,9 @@ class Plan:
     def row(self, e: Estimate) -> dict[str, Any]:
         return {"policy": e.policy, "every_k": e.every_k, "blocks": _counts(e.kinds), "kinds": list(e.kinds),
                 "precision": e.stack.precision, "micro_batch_size": e.stack.micro_batch_size,
-                "grad_accum_steps": e.stack.grad_accum_steps, "lora": e.stack.lora,
+                "grad_accum_steps": e.stack.grad_accum_steps, "lora": e.stack.lora, "quantize": e.stack.quantize,
+                "loss": e.stack.loss, "optimizer": e.stack.optimizer,
+                "optimizer_in_backward": e.stack.optimizer_in_backward, "weight_bytes": e.weight_bytes,
                 "predicted_peak_bytes": e.peak_bytes, "predicted_activation_bytes": e.activation_bytes,
                 "breakdown": dict(e.breakdown), "peak_at": e.peak_at,
                 "predicted_step_seconds": round(e.step_seconds, 6),
@@ -81,11 +83,13 @@ def _counts(kinds: Sequence[str]) -> dict[str, int]:
 
 
 def rank_key(e: Estimate, configured: Stack) -> tuple:
-    """Fitting candidates are ranked: the configured precision and full fine-tuning first (fallbacks only
-    when needed), then predicted step time, then less recompute (fewer checkpointed blocks)."""
+    """Fitting candidates are ranked: the configured precision, full fine-tuning and an unquantized base first
+    (LoRA, then a 4-bit base, then another precision only when needed), then predicted step time, then less
+    recompute (fewer checkpointed blocks)."""
     recompute = sum(1 for k in e.kinds if k in ("full", "offload")) * 2 + sum(1 for k in e.kinds if k == "selective")
-    return (e.stack.lora and not configured.lora, e.stack.precision != configured.precision,
-            round(e.step_seconds, 9), recompute, -e.stack.micro_batch_size)
+    return (e.stack.lora and not configured.lora, e.stack.quantize != configured.quantize,
+            e.stack.precision != configured.precision, round(e.step_seconds, 9), recompute,
+            -e.stack.micro_batch_size)
 
 
 def _table(candidates: Sequence[Estimate], chosen: Estimate | None, limit: int | None) -> list[Estimate]:
@@ -162,13 +166,18 @@ def nothing_fits_message(leanest: Estimate, budget: int, limit: int, source: str
     weights_etc = b["params"] + b["grads"] + b["optimizer"]
     field_name = "memory.budget_gb" if source == "memory.budget_gb" else f"the budget ({source})"
     if leanest.weight_bytes > budget:
+        lean = ("" if leanest.stack.quantize != "none" else
+                "; lora.enabled=auto with lora.quantize=nf4 lets the planner hold the frozen base in 16 or 4 bits"
+                if not leanest.stack.lora else "; lora.quantize=nf4 holds the frozen base in 4 bits")
         return (f"{field_name}: {budget / GB:.4g} GB is below the model's weights alone "
-                f"({leanest.weight_bytes / GB:.4g} GB for {leanest.n_params:,} parameters); raise "
+                f"({leanest.weight_bytes / GB:.4g} GB for {leanest.n_params:,} parameters){lean}; raise "
                 "memory.budget_gb or pick a larger memory.device")
     hints = []
     if weights_etc > 0.5 * leanest.peak_bytes:
         if not leanest.stack.lora:
             hints.append("lora.enabled=true (or auto) trains adapters only: no full gradients or optimizer state")
+        elif leanest.stack.quantize == "none":
+            hints.append("lora.quantize=nf4 holds the frozen base in 4 bits (QLoRA)")
         if leanest.stack.precision != "bf16-true":
             hints.append("train.precision=bf16-true (or memory.allow_precisions: [bf16-true]) halves weights "
                          "and optimizer state")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from memfit.errors import ConfigError
@@ -48,6 +50,21 @@ def resolve_budget(memory_cfg: Any, profile: DeviceProfile, device_report: dict[
     return None, "none (CPU without memory.budget_gb)"
 
 
+# Stack fields the planner varies within a tier (not fallbacks: the fastest that fits wins), each with the
+# values the estimator models. The memory.loss / memory.optimizer / optimizer_in_backward work appends its
+# fields here once the estimator honours them, e.g. TECHNIQUE_CHOICES["loss"] = ("plain", "chunked").
+TECHNIQUE_CHOICES: dict[str, tuple[Any, ...]] = {}
+
+
+def technique_variants(stack: Stack, choices: dict[str, tuple[Any, ...]] | None = None) -> list[Stack]:
+    """`stack` with every combination of TECHNIQUE_CHOICES (the stack itself when there are none)."""
+    choices = TECHNIQUE_CHOICES if choices is None else choices
+    if not choices:
+        return [stack]
+    keys = list(choices)
+    return [replace(stack, **dict(zip(keys, values, strict=True))) for values in itertools.product(*choices.values())]
+
+
 def techniques(cfg: Any) -> dict[str, Any]:
     """The memory.* techniques a stack carries (auto loss and optimizer are resolved by the estimator)."""
     m = cfg.memory
@@ -58,7 +75,18 @@ def configured_stack(cfg: Any, lora: bool | None = None) -> Stack:
     t = cfg.train
     if lora is None:
         lora = cfg.lora.enabled is True
-    return Stack(t.precision, t.micro_batch_size, t.grad_accum_steps, lora, **techniques(cfg))
+    return Stack(t.precision, t.micro_batch_size, t.grad_accum_steps, lora,
+                 quantize=cfg.lora.quantize if lora and cfg.lora.enabled is True else "none", **techniques(cfg))
+
+
+def lora_fallbacks(lora_cfg: Any) -> list[tuple[bool, str]]:
+    """(LoRA, quantization) in the order the planner tries them: lora.enabled fixes LoRA; under auto full
+    fine-tuning first, then LoRA on a 16-bit base, then (when lora.quantize allows it) on a 4-bit base."""
+    if lora_cfg.enabled is True:
+        return [(True, lora_cfg.quantize)]
+    if lora_cfg.enabled is False:
+        return [(False, "none")]
+    return [(False, "none"), (True, "none")] + ([(True, lora_cfg.quantize)] if lora_cfg.quantize != "none" else [])
 
 
 def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = None) -> Estimator:
@@ -95,21 +123,24 @@ def _micro_batches(cfg: Any) -> list[int]:
 
 
 def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:
-    """Stacks to try, tier by tier: the configured precision without LoRA first, fallbacks after."""
+    """Stacks to try, tier by tier: the configured precision without LoRA first, then LoRA, then a 4-bit
+    base, then other precisions; within a tier every micro-batch and every TECHNIQUE_CHOICES variant."""
     t = cfg.train
     precisions = [t.precision] + [p for p in cfg.memory.allow_precisions if p != t.precision]
     precisions = [p for p in precisions if profile.bf16 or not p.startswith("bf16")] or [t.precision]
-    loras = {True: [True], False: [False], "auto": [False, True]}[cfg.lora.enabled]
     tiers = []
-    for lora in loras:
+    for lora, quantize in lora_fallbacks(cfg.lora):
         for precision in precisions:
-            tiers.append([Stack(precision, m, t.batch_size // m, lora, **techniques(cfg)) for m in _micro_batches(cfg)])
+            tiers.append([v for m in _micro_batches(cfg)
+                          for v in technique_variants(Stack(precision, m, t.batch_size // m, lora, quantize,
+                                                            **techniques(cfg)))])
     return tiers
 
 
 def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, hf_config: Any | None = None,
              estimator: Estimator | None = None) -> Plan:
-    """Estimate the candidate stacks tier by tier and choose; a fixed memory.policy is estimated only."""
+    """Estimate the candidate stacks tier by tier and choose; a fixed memory.policy is estimated only (with
+    lora.enabled=auto: that policy on each LoRA fallback, until one fits)."""
     t0 = time.perf_counter()
     est = estimator or make_estimator(cfg, profile, hf_config)
     n = est.n_blocks
@@ -121,36 +152,54 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
             raise ConfigError("memory.policy: 'offload' moves saved activations from the GPU to pinned CPU "
                               f"memory and needs a CUDA device; the target ({profile.name}) has none: "
                               "use 'full' or 'selective'")
-        chosen = est.estimate(configured, policy_kinds(cfg, n, policy))
-        return choose([chosen], budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=policy)
-    limit = None if budget is None else budget * (1.0 - cfg.memory.safety_margin)
-    if limit is None or baseline.peak_bytes <= limit or (budget is not None and baseline.weight_bytes > budget):
-        # No recompute and the configured micro-batch fit: nothing can be faster, nothing else to trace.
-        # (Or the weights alone exceed the budget: nothing else can fit either.)
+        fixed = policy_kinds(cfg, n, policy)
+        chosen = est.estimate(configured, fixed)
+        limit = None if budget is None else budget * (1.0 - cfg.memory.safety_margin)
+        if cfg.lora.enabled != "auto" or limit is None or chosen.peak_bytes <= limit:
+            return choose([chosen], budget, configured=configured, baseline=baseline,
+                          safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=policy)
+        every, fixed_policy = [fixed], policy
+    else:
+        fixed_policy = None
+        limit = None if budget is None else budget * (1.0 - cfg.memory.safety_margin)
+        if limit is None or baseline.peak_bytes <= limit:
+            # No recompute and the configured micro-batch fit: nothing can be faster, nothing else to trace.
+            return choose([baseline], budget, configured=configured, baseline=baseline,
+                          safety_margin=cfg.memory.safety_margin, budget_source=source)
+        kinds = ("none", "selective", "full") + (("offload",) if profile.kind == "cuda" else ())
+        every = assignments(n, kinds)
+    tiers = candidate_tiers(cfg, profile)
+    if budget is not None and baseline.weight_bytes > budget and len(tiers) == 1:
+        # The weights alone exceed the budget and no fallback holds them smaller: nothing can fit.
         return choose([baseline], budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source)
-    kinds = ("none", "selective", "full") + (("offload",) if profile.kind == "cuda" else ())
-    every = assignments(n, kinds)
+                      safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=fixed_policy)
     seen: list[Estimate] = []
     plan: Plan | None = None
-    for tier in candidate_tiers(cfg, profile):
+    for tier in tiers:
         ordered = sorted(tier, key=lambda s: -s.micro_batch_size)
-        first = ordered[0]
-        seen += [est.estimate(first, k) for k in every]
+        top = ordered[0].micro_batch_size
+        firsts = [s for s in ordered if s.micro_batch_size == top]
+        if budget is not None and est.static(firsts[0]).weight_bytes > budget:
+            continue  # this tier's weights alone exceed the budget: none of its stacks can fit
+        seen += [est.estimate(first, k) for first in firsts for k in every]
         plan = choose(seen, budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source)
+                      safety_margin=cfg.memory.safety_margin, budget_source=source,
+                      fixed_policy=fixed_policy)
         # Under the step-time model a smaller micro-batch never beats the same policy at a larger one, so
         # they matter only when the largest micro-batch needs recompute (or does not fit at all).
         if plan.fits and plan.chosen is not None and set(plan.chosen.kinds) == {"none"}:
             break
-        for stack in ordered[1:]:
+        for stack in ordered[len(firsts):]:
             seen += [est.estimate(stack, k) for k in every]
         plan = choose(seen, budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source)
+                      safety_margin=cfg.memory.safety_margin, budget_source=source,
+                      fixed_policy=fixed_policy)
         if plan.fits:
             break
-    assert plan is not None
+    if plan is None:  # every tier's weights exceed the budget: say so for the leanest of them
+        plan = choose([baseline], budget, configured=configured, baseline=baseline,
+                      safety_margin=cfg.memory.safety_margin, budget_source=source,
+                      fixed_policy=fixed_policy)
     log.info("memory planner: %d candidates over %d blocks in %.1f s (traces %.1f s)", len(seen), n,
              time.perf_counter() - t0, est.trace_seconds)
     return plan
@@ -166,10 +215,14 @@ def plan_table_markdown(plan: Plan) -> str:
         policy = f"every_k (k={e.every_k})" if e.policy == "every_k" else e.policy
         mark = "**chosen**" if e is plan.chosen else ""
         rows.append(f"| {mark} | {policy} | {blocks} | {e.stack.precision} | {e.stack.micro_batch_size} x "
-                    f"{e.stack.grad_accum_steps} | {'yes' if e.stack.lora else 'no'} | {e.peak_bytes / GB:.4g} | "
+                    f"{e.stack.grad_accum_steps} | {_lora_cell(e.stack)} | {e.peak_bytes / GB:.4g} | "
                     f"{e.activation_bytes / GB:.4g} | {r['predicted_overhead'] * 100:+.1f}% | "
                     f"{'yes' if r['fits'] else 'no'} |")
     return "\n".join(rows)
+
+
+def _lora_cell(stack: Stack) -> str:
+    return ("NF4 base" if stack.quantize == "nf4" else "yes") if stack.lora else "no"
 
 
 def n_blocks_for(cfg: Any, hf_config: Any | None = None) -> int:
@@ -204,6 +257,7 @@ def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None
         "blocks": {k: sum(1 for x in e.kinds if x == k) for k in sorted(set(e.kinds))},
         "precision": e.stack.precision, "micro_batch_size": e.stack.micro_batch_size,
         "grad_accum_steps": e.stack.grad_accum_steps, "seq_len": cfg.data.seq_len, "lora": e.stack.lora,
+        "quantize": e.stack.quantize,
         "n_params": e.n_params, "n_trainable": e.n_trainable, "weight_bytes": e.weight_bytes,
         "host_bytes": e.host_bytes, "predicted_step_seconds": round(e.step_seconds, 6),
         "device": profile.name, "device_memory_bytes": profile.memory_bytes,
@@ -219,6 +273,58 @@ def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = N
     out = plan.to_dict()
     out["device"] = profile.name
     return plan, out
+
+
+MAX_SEQ_STEP = 64  # --max-seq answers in multiples of this many tokens
+
+
+def longest_seq_len(est: Estimator, stack: Stack, kinds: tuple[str, ...], limit: int, hi: int,
+                    step: int = MAX_SEQ_STEP) -> tuple[int, Estimate | None]:
+    """The longest sequence (a multiple of `step`, at most `hi`) whose estimated peak with `stack` and `kinds`
+    fits `limit`, by bisection (the peak grows with the sequence), and its estimate; (0, None) if none fits."""
+    def fits(seq: int) -> Estimate | None:
+        e = est.at_seq_len(seq).estimate(stack, kinds)
+        return e if e.peak_bytes <= limit else None
+
+    top = hi // step
+    if (e := fits(top * step)) is not None:
+        return top * step, e
+    a, b, best = 0, top, None  # invariant: a*step fits (or a is 0), b*step does not
+    while b - a > 1:
+        mid = (a + b) // 2
+        if (e := fits(mid * step)) is not None:
+            a, best = mid, e
+        else:
+            b = mid
+    return a * step, best
+
+
+def max_seq_report(cfg: Any, device: str | None = None, budget_gb: float | None = None) -> dict[str, Any]:
+    """`memfit plan --max-seq`: the stack the planner chooses at data.seq_len, then the longest data.seq_len that
+    stack (its checkpointing per block, micro-batch, precision, LoRA/quantization) fits the budget with."""
+    from memfit.config import DataConfig
+    from memfit.modeling import model_max_positions
+
+    profile, budget, source = _target(cfg, device, budget_gb)
+    if budget is None:
+        raise ConfigError("--max-seq needs a memory budget: set --device, --budget-gb or memory.budget_gb")
+    hf_config = model_config_for(cfg)
+    est = make_estimator(cfg, profile, hf_config)
+    plan = plan_for(cfg, profile, budget, source, estimator=est)
+    stack_est = plan.chosen or min(plan.table, key=lambda x: x.peak_bytes)
+    limit = int(budget * (1 - cfg.memory.safety_margin))
+    hi = next(int(m.le) for m in DataConfig.model_fields["seq_len"].metadata if getattr(m, "le", None))
+    t0 = time.perf_counter()
+    seq, best = longest_seq_len(est, stack_est.stack, stack_est.kinds, limit, hi)
+    positions = model_max_positions(hf_config)
+    out = {"max_seq_len": seq, "device": profile.name, "budget_bytes": budget, "budget_source": source,
+           "limit_bytes": limit, "stack": plan.row(stack_est), "planned_at_seq_len": cfg.data.seq_len,
+           "planned_fits": plan.fits, "model_max_positions": positions, "search_seconds": round(
+               time.perf_counter() - t0, 1), "predicted_peak_bytes": best.peak_bytes if best else None,
+           "breakdown": dict(best.breakdown) if best else None}
+    out["note"] = (f"the model's position embeddings cover {positions} tokens: beyond that it needs RoPE scaling "
+                   "(or long-context pre-training) to be useful" if positions and seq > positions else "")
+    return out
 
 
 def per_gpu_report(cfg: Any, device: str | None = None, budget_gb: float | None = None) -> dict[str, Any]:

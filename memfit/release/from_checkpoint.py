@@ -128,7 +128,7 @@ def parity_criteria(export_cfg: Any) -> Any:
 
 def export_model(model: Any, tokenizer: Any, out_dir: str | Path, *, onnx: bool = True, safetensors: bool = True,
                  criteria: Any = None, opset: int | None = None,
-                 metadata: dict[str, Any] | None = None) -> ExportFiles:
+                 metadata: dict[str, Any] | None = None, dtype: str = "fp32") -> ExportFiles:
     """SafeTensors folder (out_dir/hf) then ONNX (out_dir/model.onnx), each verified.
 
     A SafeTensors failure raises; an ONNX failure is recorded in `onnx_error` and returned, because the
@@ -140,11 +140,13 @@ def export_model(model: Any, tokenizer: Any, out_dir: str | Path, *, onnx: bool 
     from memfit.release.parity import ParityCriteria
 
     out = Path(out_dir).absolute()
-    model.to(dtype=torch.float32)
+    # export.dtype: the SafeTensors weights' dtype; ONNX and its parity check stay fp32.
+    model.to(dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
     files = ExportFiles(dir=str(out), safetensors_dir=None, safetensors_max_abs_diff=None)
     if safetensors:
         st = export_safetensors(model, tokenizer, out / HF_DIR, metadata=metadata)
         files.safetensors_dir, files.safetensors_max_abs_diff = st.dir, st.max_abs_diff
+    model.to(dtype=torch.float32)
     if not onnx:
         return files
     criteria = criteria or ParityCriteria()
@@ -239,7 +241,9 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
         pin_threads(cfg.train.num_threads)
         model, tokenizer = model_for_checkpoint(cfg, Path(tmp) / "work")
         try:
-            model.load_state_dict(loaded.model_state, strict=True)
+            from memfit.lora import merged_from_state
+
+            model = merged_from_state(model, cfg.lora, loaded.model_state, f"training checkpoint {loaded.info.uri}")
         except RuntimeError as err:
             raise CheckpointError(f"training checkpoint {loaded.info.uri} does not fit the model of its own "
                                   f"config.yaml ({str(err).splitlines()[0]})") from None
@@ -247,7 +251,8 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
                     "mlflow_run_id": loaded.state.get("mlflow_run_id"),
                     "model_source": cfg.model.name_or_path or f"preset:{cfg.model.preset}"}
         files = export_model(model, tokenizer, out_dir, onnx=onnx, safetensors=not onnx_only,
-                             criteria=parity_criteria(cfg.export), opset=cfg.export.opset, metadata=metadata)
+                             criteria=parity_criteria(cfg.export), opset=cfg.export.opset, metadata=metadata,
+                             dtype=cfg.export.dtype)
     if files.onnx_error:
         kept = f" The verified SafeTensors export is kept at {files.safetensors_dir}." if files.safetensors_dir else ""
         raise ExportError(f"{files.onnx_error}{kept} Redo only the ONNX with "

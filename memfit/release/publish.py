@@ -25,7 +25,7 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
     A failed ONNX export does not stop the rest: the report's `onnx_error` says what failed and how to redo it.
     """
     files = export_model(model, tokenizer, cfg.export.dir, onnx=cfg.export.onnx, criteria=parity_criteria(cfg.export),
-                         opset=cfg.export.opset, metadata=meta)
+                         opset=cfg.export.opset, metadata=meta, dtype=cfg.export.dtype)
     tags = {}
     onnx_error = None
     if files.onnx_max_abs_diff is not None:

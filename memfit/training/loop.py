@@ -118,13 +118,17 @@ class Trainer:
                 "rng": rng_json, "initial_val_loss": self.initial_val_loss, "mlflow_run_id": self.tracker.run_id,
                 "identity": self.identity}
 
-    # Hooks for what a training checkpoint holds of the model: all weights here; with adapters (LoRA) an
-    # override returns and loads only the trainable ones (the frozen base comes from model.name_or_path).
+    # What a training checkpoint holds of the model: all weights; with adapters (LoRA) only the trainable
+    # ones (the frozen base, 16-bit or 4-bit, comes from model.name_or_path or the preset).
     def model_state(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+        from memfit.lora import trainable_state
+
+        return trainable_state(self.model)
 
     def load_model_state(self, state: Any) -> None:
-        self.model.load_state_dict(state, strict=True)
+        from memfit.lora import load_trainable_state
+
+        load_trainable_state(self.model, state)
 
     def restore(self, folder: str | Path) -> None:
         """Resume from a local training checkpoint folder (collective with several ranks)."""

@@ -109,3 +109,27 @@ def test_llama3_8b_from_config_json_alone(tmp_path):
     assert lora["total_bytes"] <= 80e9 and lora["fits"] is True
     assert lora["breakdown"]["activations"] > 1e9  # 32 checkpointed block inputs at 4 x 2048 x 4096, logits...
     json.dumps(lora)  # what `memfit estimate --json` prints
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_lora_estimate_matches_the_measured_step_with_a_16_bit_or_4_bit_base(quantize):
+    """The frozen base in bf16 (or NF4) and the adapters in fp32, as prepare_lora_model builds the training
+    model: the estimate on fake tensors equals the tracker's measurement of the real step."""
+    from memfit.lora import prepare_lora_model
+
+    if quantize == "nf4":
+        pytest.importorskip("bitsandbytes")
+    lora_cfg = config.LoraConfig(enabled=True, r=4, quantize=quantize)
+    model = prepare_lora_model(tiny("llama"), lora_cfg, "bf16-mixed")
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    assert frozen == ({torch.bfloat16} if quantize == "none" else {torch.bfloat16, torch.uint8})
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    stack = Stack("bf16-mixed", 4, 1, True, quantize=quantize)
+    est = Estimator(tiny("llama").config, SEQ, PROFILES["cpu"], lora_cfg=lora_cfg, save_ops=SAVE_OPS)
+    n = len(find_blocks(model))
+    predicted = est.estimate(stack, ["full"] * n)
+    peak, act = measure(model, ["full"] * n, stack)
+    assert predicted.peak_bytes == pytest.approx(peak, rel=TOLERANCE)
+    assert predicted.activation_bytes == pytest.approx(act, rel=TOLERANCE)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert predicted.weight_bytes == weights

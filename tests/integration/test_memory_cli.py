@@ -55,6 +55,21 @@ def test_plan_between_full_and_none_fits_with_checkpointing():
     assert all(a["predicted_peak_bytes"] > plan["limit_bytes"] for a in plan["alternatives"] if not a["fits"])
 
 
+def test_plan_max_seq_reports_the_longest_sequence_that_fits():
+    budget = 0.05
+    out = _json(memfit("plan", TINY, "--budget-gb", str(budget), "--max-seq", "--set", "memory.policy=full",
+                       "--json"))
+    seq, limit = out["max_seq_len"], out["limit_bytes"]
+    assert seq > 0 and seq % 64 == 0 and out["predicted_peak_bytes"] <= limit
+    # What the user checks: that length fits by `memfit estimate`, 64 tokens more does not.
+    at = _json(memfit("estimate", TINY, "--budget-gb", str(budget), "--set", "memory.policy=full", "--set",
+                      f"data.seq_len={seq}", "--json"))
+    over = _json(memfit("estimate", TINY, "--budget-gb", str(budget), "--set", "memory.policy=full", "--set",
+                        f"data.seq_len={seq + 64}", "--json"))
+    assert at["total_bytes"] <= limit < over["total_bytes"]
+    _assert_clean_error(memfit("plan", TINY, "--max-seq"), "--max-seq needs a memory budget")
+
+
 def test_plan_and_estimate_bad_input():
     _assert_clean_error(memfit("plan", TINY, "--device", "tpu-v5"), "--device", "tpu-v5")
     _assert_clean_error(memfit("estimate", TINY, "--policy", "sometimes"), "--policy")
@@ -62,6 +77,7 @@ def test_plan_and_estimate_bad_input():
                         "memory.budget_gb", "below the model's weights alone")
     _assert_clean_error(memfit("estimate", TINY, "--set", "lora.enabled=true", "--set",
                                "lora.target_modules=[nope_proj]"), "lora.target_modules", "nope_proj")
+    _assert_clean_error(memfit("estimate", TINY, "--set", "lora.quantize=nf4"), "lora.quantize", "lora.enabled")
 
 
 def test_lora_with_checkpointing_trains_adapters_and_exports_merged(tiny_config):

@@ -136,3 +136,93 @@ def test_a_detected_gpu_gets_its_own_speeds(cuda_name, profile):
                                 "bf16_supported": True})
     assert found.flops_per_s("bfloat16") == PROFILES[profile].flops_per_s("bfloat16")
     assert found.memory_bytes == 40 * 2**30  # what the device reports, not the profile's nominal size
+
+
+def test_a_4_bit_base_is_the_last_fallback_after_16_bit_lora():
+    lora = Stack("fp32", 8, 1, True)
+    qlora = Stack("fp32", 8, 1, True, quantize="nf4")
+    cands = candidates((BASE,)) + [est(a, stack=lora) for a in assignments(N)] + \
+        [est(a, stack=qlora, weights=GB // 2) for a in assignments(N)]
+    budget = est(["full"] * N).peak_bytes - 1  # full fine-tuning does not fit; LoRA and QLoRA do
+    p = plan(cands, budget)
+    assert p.chosen.stack == lora
+    lean = est(["full"] * N, stack=lora).peak_bytes - 1  # only the 4-bit base fits
+    p = plan(cands, lean)
+    assert p.fits and p.chosen.stack == qlora and p.chosen.peak_bytes <= lean
+    assert p.to_dict()["quantize"] == "nf4"
+
+
+@pytest.mark.parametrize("enabled, quantize, expected", [
+    ("auto", "nf4", [(False, "none"), (True, "none"), (True, "nf4")]),
+    ("auto", "none", [(False, "none"), (True, "none")]),
+    (True, "nf4", [(True, "nf4")]),
+    (False, "none", [(False, "none")]),
+])
+def test_lora_fallbacks_follow_lora_enabled_and_quantize(enabled, quantize, expected):
+    from memfit.memory.search import lora_fallbacks
+
+    assert lora_fallbacks(config.LoraConfig(enabled=enabled, quantize=quantize)) == expected
+
+
+def test_technique_choices_multiply_the_candidates_of_a_tier():
+    from memfit.memory.search import technique_variants
+
+    assert technique_variants(BASE, {}) == [BASE]
+    got = technique_variants(BASE, {"loss": ("plain", "chunked"), "optimizer": ("adamw", "adamw-8bit")})
+    assert len(got) == 4 and len(set(got)) == 4
+    assert {(s.loss, s.optimizer) for s in got} == {(a, b) for a in ("plain", "chunked")
+                                                    for b in ("adamw", "adamw-8bit")}
+    assert all(s.micro_batch_size == BASE.micro_batch_size and s.precision == BASE.precision for s in got)
+
+
+class _LinearEstimator:
+    """Peak = fixed + per_token x sequence: the bisection must find the largest multiple of the step under it."""
+
+    def __init__(self, fixed: int, per_token: int, seq: int = 0) -> None:
+        self.fixed, self.per_token, self.seq, self.calls = fixed, per_token, seq, []
+
+    def at_seq_len(self, seq: int):
+        self.calls.append(seq)
+        return _LinearEstimator(self.fixed, self.per_token, seq)
+
+    def estimate(self, stack, kinds):
+        return est(kinds, stack=stack, weights=self.fixed + self.per_token * self.seq, act_per_block=0, opt=0)
+
+
+def test_max_seq_bisection_finds_the_longest_length_that_fits():
+    from memfit.memory.search import longest_seq_len
+
+    fake = _LinearEstimator(fixed=GB, per_token=100_000)
+    limit = 5 * GB
+    seq, e = longest_seq_len(fake, BASE, ("full",) * N, limit, hi=131072, step=64)
+    peak = lambda s: 2 * (GB + 100_000 * s)  # noqa: E731 - weights + their gradients in est()
+    assert seq % 64 == 0 and peak(seq) <= limit < peak(seq + 64)
+    assert e.peak_bytes == peak(seq) and len(fake.calls) <= 12
+    assert longest_seq_len(fake, BASE, ("full",) * N, GB, hi=131072) == (0, None)
+    assert longest_seq_len(fake, BASE, ("full",) * N, 10**15, hi=131072)[0] == 131072
+
+
+def test_quantize_without_lora_and_missing_bitsandbytes_are_one_line_errors(monkeypatch):
+    import sys
+
+    from memfit.quantization import require_bitsandbytes
+
+    with pytest.raises(ConfigError, match=r"lora.quantize=nf4 .* set lora.enabled=true"):
+        config.load(None, ["lora.quantize=nf4"])
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what an environment without it imports
+    with pytest.raises(ConfigError, match=r"lora.quantize=nf4 needs bitsandbytes.*pip install bitsandbytes") as err:
+        require_bitsandbytes()
+    assert "\n" not in str(err.value)
+
+
+def test_nf4_bytes_equal_what_bitsandbytes_holds_for_a_layer():
+    bnb = pytest.importorskip("bitsandbytes")
+    import torch
+
+    from memfit.quantization import NF4Quantization, nf4_bytes
+
+    layer = torch.nn.Linear(256, 192, bias=False)
+    q = NF4Quantization(torch.bfloat16)._linear4bit(bnb, layer)
+    qs = q.weight.quant_state
+    held = [q.weight.data, qs.absmax, qs.code, qs.offset, qs.state2.absmax, qs.state2.code]
+    assert nf4_bytes(layer.weight.numel()) == sum(t.numel() * t.element_size() for t in held)
