@@ -175,7 +175,7 @@ def run_memfit(cfg, variant: str, fused: bool) -> dict:
     from memfit.training import loop, strategies
 
     model, data = _inputs(cfg)
-    strategies.optim.make_adamw = lambda m, lr, wd, foreach=None: _adamw(m, cfg, fused)  # the bench's AdamW
+    strategies.optim.make_adamw = lambda m, lr, wd, **_: _adamw(m, cfg, fused)  # the bench's AdamW, in every loop
     spent = {"step": [], "monitor": 0.0, "save": 0.0, "flush": 0.0}
     stamps: list[float] = []
     cpu: list[float] = []  # process CPU time at the same moments (less sensitive to a busy machine)
