@@ -103,9 +103,9 @@ def _stop_parts(state: Any) -> None:
     state.engine.stop()
 
 
-def start_in_thread(cfg: MemfitConfig, model: str | None = None, port: int | None = None) -> Running:
-    """Build, bind (port 0: any free one) and serve from a thread; returns once it accepts connections."""
-    sock = bind(cfg.serve.host, cfg.serve.port if port is None else port)
+def _ready(cfg: MemfitConfig, model: str | None, port: int) -> tuple[Any, Any, Any]:
+    """The port bound first (a port in use fails before the model loads), then the model, app and workers."""
+    sock = bind(cfg.serve.host, port)
     try:
         app, state = build(cfg, model)
     except BaseException:
@@ -113,6 +113,12 @@ def start_in_thread(cfg: MemfitConfig, model: str | None = None, port: int | Non
         raise
     server = _uvicorn(app, sock)
     _start_parts(state)
+    return sock, server, state
+
+
+def start_in_thread(cfg: MemfitConfig, model: str | None = None, port: int | None = None) -> Running:
+    """Build, bind (port 0: any free one) and serve from a thread; returns once it accepts connections."""
+    sock, server, state = _ready(cfg, model, cfg.serve.port if port is None else port)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="memfit-uvicorn", daemon=True)
     thread.start()
     while not server.started and thread.is_alive():
@@ -123,14 +129,7 @@ def start_in_thread(cfg: MemfitConfig, model: str | None = None, port: int | Non
 
 def serve(cfg: MemfitConfig, model: str | None = None) -> None:
     """`memfit serve-model`: serve until Ctrl-C / SIGTERM (uvicorn's handlers end it gracefully)."""
-    sock = bind(cfg.serve.host, cfg.serve.port)
-    try:
-        app, state = build(cfg, model)
-    except BaseException:
-        sock.close()
-        raise
-    server = _uvicorn(app, sock)
-    _start_parts(state)
+    sock, server, state = _ready(cfg, model, cfg.serve.port)
     served = state.holder.current
     log.info("serving %s (%s backend) on http://%s:%d/v1%s", served.model_id, served.backend.name, cfg.serve.host,
              cfg.serve.port, f", following {state.follower.source.uri}" if state.follower else "")
