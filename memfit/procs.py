@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import threading
 from typing import Any
 
 # Runs in its own small process and session. memfit writes "PID CREATE_TIME" lines to its stdin, one per process
@@ -97,3 +99,21 @@ class Reaper:
         started = psutil.Process(pid).create_time()
         self.proc.stdin.write(f"{pid} {started!r}\n".encode())
         self.proc.stdin.flush()
+
+
+WRITER_NICE = 10  # background writers run this much nicer than the process (bench/loop_overhead.py measures it)
+
+
+def lower_thread_priority(nice: int = WRITER_NICE) -> None:
+    """Make the calling thread nicer, so that the training step's torch threads win the cores while it works.
+
+    On Linux niceness is per thread: setpriority on the thread's native id changes only that thread.
+    Elsewhere (where that id could name another process) nothing changes.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:  # not permitted here: the writer keeps the process's priority
+        pass

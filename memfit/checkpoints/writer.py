@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.errors import CheckpointError
+from memfit.procs import lower_thread_priority
 
 log = logging.getLogger("memfit.checkpoints")
 
@@ -52,24 +52,6 @@ class SaveStats:
                 "mean_snapshot_s": self.total_snapshot_s / n,
                 "last_write_upload_s": self.last.write_upload_s if self.last else None,
                 "last_upload_mb_per_s": self.last.upload_mb_per_s if self.last else None}
-
-
-WRITER_NICE = 10  # background writers run this much nicer than the process (bench/loop_overhead.py measures it)
-
-
-def lower_thread_priority(nice: int = WRITER_NICE) -> None:
-    """Make the calling thread nicer, so that the training step's torch threads win the cores while it works.
-
-    On Linux niceness is per thread: setpriority on the thread's native id changes only that thread.
-    Elsewhere (where that id could name another process) nothing changes.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:  # not permitted here: the writer keeps the process's priority
-        pass
 
 
 def test_upload_delay() -> None:

@@ -173,6 +173,7 @@ class Estimator:
         return other
 
     def static(self, stack: Stack) -> StaticTrace:
+        stack = self.resolved(stack)  # the planner asks for weights alone before any estimate resolves `auto`
         key = (stack.precision, stack.lora, stack.quantize, stack.optimizer, stack.optimizer_in_backward)
         if key not in self._statics:
             t0 = time.perf_counter()

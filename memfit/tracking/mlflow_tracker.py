@@ -17,8 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from memfit.checkpoints.writer import lower_thread_priority
 from memfit.errors import TrackingError
+from memfit.procs import lower_thread_priority
 from memfit.tracking.base import redact, scrub, scrub_obj
 
 log = logging.getLogger("memfit.tracking")

@@ -108,6 +108,9 @@ class Trainer:
         self.loss: LossPolicy = make_loss(cfg)
         self.attn_implementation = attention_implementation(model)
         self.trained_tokens_seen = 0
+        # Trained tokens per training row, counted once here: a step adds up Python ints (no tensor read per step).
+        labels = data.train_fields.get("labels", data.train)
+        self._row_trained: list[int] = (labels[:, 1:] != -100).sum(dim=1).tolist()
         seed_everything(t.seed + s.seed_offset())
 
     # -- state --------------------------------------------------------------------------------------------
@@ -166,9 +169,7 @@ class Trainer:
         for k in range(t.grad_accum_steps):
             # The same global order on every rank; each takes its slice of the micro-batch.
             idx = s.shard(self.order.next_indices(), t.micro_batch_size)
-            # Counted on the host rows, before the copy to the device (no sync): the tokens this micro-batch trains.
-            labels = self.data.train_fields.get("labels", self.data.train)
-            self.trained_tokens_seen += trained_tokens({"labels": labels[idx]})
+            self.trained_tokens_seen += sum(self._row_trained[i] for i in idx)
             batch = blocks_batch(self.data.train, idx, self.device, self.data.train_fields, self.attn_implementation)
             with s.micro_batch(last=k == t.grad_accum_steps - 1):
                 with autocast_context(self.device, s.autocast_precision):
