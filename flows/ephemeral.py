@@ -8,9 +8,11 @@ import importlib.util
 import logging
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,10 +55,10 @@ class EphemeralServer:
         # The server gets the environment as it is now: it is the API, it must not look for one.
         self._server_env = {**os.environ, **_SERVER_ENV}
         self._saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", OWN_SERVER_ENV, "PREFECT_UI_URL")}
+        atexit.register(self.stop)
         self._launch()
         # No UI in an ephemeral server: Prefect's "View at <url>" line would name a page that does not exist.
         os.environ.setdefault("PREFECT_UI_URL", "")
-        atexit.register(self.stop)
 
     @property
     def api_url(self) -> str:
@@ -65,11 +67,22 @@ class EphemeralServer:
     def _launch(self) -> None:
         self.port = _free_port()
         log.info("Starting temporary server on http://127.0.0.1:%d", self.port)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", str(_prefect_parent()), "--factory",
-             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
-             "--log-level", "error", "--lifespan", "on"], env=self._server_env, start_new_session=True)
-        self._reaper.watch(self.proc.pid)
+        args = ["--app-dir", str(_prefect_parent()), "--factory", "prefect.server.api.server:create_app",
+                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
+        # A Ctrl-C or SIGTERM between the fork and the reaper's watch would leave a server nobody ends (seen
+        # under load): both are held back until the pid is watched, then handled. The child inherits the
+        # mask across exec, so its first act is to clear it (a signal sent meanwhile is delivered then).
+        held = {signal.SIGINT, signal.SIGTERM}
+        on_main = threading.current_thread() is threading.main_thread()
+        if on_main:
+            signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _UNMASKED_UVICORN, *args], env=self._server_env, start_new_session=True)
+            self._reaper.watch(self.proc.pid)
+        finally:
+            if on_main:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
         os.environ["PREFECT_API_URL"] = os.environ[OWN_SERVER_ENV] = self.api_url
 
     def wait(self, timeout: float | None = None) -> str:
@@ -126,6 +139,11 @@ class EphemeralServer:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+
+
+# `python -m uvicorn ARGS`, after clearing the signal mask the parent held while starting it (see _launch).
+_UNMASKED_UVICORN = ("import runpy, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, set()); "
+                     "sys.argv = ['uvicorn', *sys.argv[1:]]; runpy.run_module('uvicorn', run_name='__main__')")
 
 
 def api_url_configured(cwd: Path | None = None) -> bool:

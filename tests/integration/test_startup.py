@@ -21,7 +21,7 @@ import json, os, subprocess, sys
 real, watched = subprocess.Popen, json.loads(sys.argv[1])
 class Spy(real):
     def __init__(self, args, *rest, **kwargs):
-        if "uvicorn" in args:
+        if any("uvicorn" in str(a) for a in args):
             heavy = sorted(m for m in watched if m in sys.modules)
             print("AT-SERVER-START", json.dumps({"heavy": heavy, "env": kwargs.get("env", {}).get(
                 "PREFECT__SERVER_EPHEMERAL"), "new_session": kwargs.get("start_new_session")}), flush=True)
