@@ -26,7 +26,7 @@ def test_no_settings_file_means_no_prefect_import_is_needed(no_profile):
 
 
 @pytest.mark.parametrize("name, text", [
-    ("home/profiles.toml", 'active = "team"\n[profiles.team]\nPREFECT_API_URL = "http://10.0.0.5:4200/api"\n'),
+    ("home/profiles.toml", 'active = "team"\n[profiles.team]\nPREFECT_API_URL = "http://127.0.0.1:4999/api"\n'),
     ("project/.env", "PREFECT_API_URL=http://127.0.0.1:4200/api\n"),
     ("project/prefect.toml", '[api]\nurl = "http://127.0.0.1:4200/api"\n'),
     ("project/pyproject.toml", '[tool.prefect.api]\nurl = "http://127.0.0.1:4200/api"\n'),
