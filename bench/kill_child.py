@@ -36,7 +36,9 @@ def train_phase(config_path: str, overrides: list[str]) -> dict:
     return phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), None).model_dump(mode="json")
 
 
-def _train_child(config_path: str, overrides: list[str], log_path: str, report_path: str) -> None:
+def _train_child(config_path: str, overrides: list[str], log_path: str, report_path: str, env: dict[str, str]
+                 ) -> None:
+    os.environ.update(env)
     # The child's stdout, stderr and memfit's INFO log go to one file (the fork server's are the parent's).
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
@@ -63,14 +65,17 @@ def _train_context():
 
 class TrainChild:
     """`train_phase(config_path, overrides)` in a child process of its own; SIGKILL ends it as it would end
-    `memfit run` (no handler, no atexit, the writer thread mid-way). Its log: `folder/NAME.log`."""
+    `memfit run` (no handler, no atexit, the writer thread mid-way). Its log: `folder/NAME.log`; `env`: variables
+    set in the child only (MEMFIT_TEST_UPLOAD_DELAY to land a kill mid-upload)."""
 
-    def __init__(self, config_path: str, overrides: list[str], folder: Path, name: str) -> None:
+    def __init__(self, config_path: str, overrides: list[str], folder: Path, name: str,
+                 env: dict[str, str] | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.log_path, self.report_path = folder / f"{name}.log", folder / f"{name}.json"
         self.report_path.unlink(missing_ok=True)
         self.proc = _train_context().Process(target=_train_child, name=f"memfit-train-{name}", daemon=True,
-                                             args=(config_path, overrides, str(self.log_path), str(self.report_path)))
+                                             args=(config_path, overrides, str(self.log_path), str(self.report_path),
+                                                   env or {}))
         self.t0 = time.monotonic()
         self.proc.start()
 

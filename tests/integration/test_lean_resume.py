@@ -72,54 +72,84 @@ def _spy(monkeypatch) -> list[str]:
     return used
 
 
+def _straight(option: str, tmp_path: Path, monkeypatch) -> Path:
+    """The uninterrupted run, in this process (the spy sees which code ran), through the function the children
+    run; its final training checkpoint."""
+    used = _spy(monkeypatch)
+    straight = kill_child.train_phase(TINY, _overrides(tmp_path / "straight", option))
+    assert straight["final_train_loss"] < straight["initial_val_loss"]  # it trains, as the default does
+    assert MARKER[option] in used, f"{option} was not what the run used: {used[:3]}"
+    return tmp_path / "straight" / "checkpoints" / step_prefix(MAX_STEPS)
+
+
+def _killed_and_rerun(option: str, tmp_path: Path, watch: str, **env: str) -> tuple[list[int], list[str], Path]:
+    """Run in a child, SIGKILL it the moment `watch` (a path in the store) exists, rerun the same command in
+    another child to the end; (the steps committed when it was killed, the store's files then, the rerun's final
+    training checkpoint)."""
+    root = tmp_path / "killed"
+    command = (TINY, _overrides(root, option))
+    first = kill_child.TrainChild(*command, tmp_path, "killed", env=env)
+    try:
+        seen = first.wait_for_path(root / "checkpoints" / watch)
+        code = first.kill()
+    finally:
+        first.kill()
+    assert seen is not None, f"{watch} never appeared:\n{first.log[-3000:]}"
+    assert code == -signal.SIGKILL, f"the run ended (exit {code}) before the kill:\n{first.log[-3000:]}"
+    left = kill_child.complete_steps(root / "checkpoints")
+    held = sorted(str(p.relative_to(root / "checkpoints")) for p in (root / "checkpoints").rglob("*") if p.is_file())
+
+    rerun = kill_child.TrainChild(*command, tmp_path, "rerun")
+    resumed = rerun.finish(timeout=300)
+    assert resumed is not None, f"the rerun failed:\n{rerun.log[-3000:]}"
+    assert resumed["resumed_from"] == (left[-1] if left else None), resumed  # from the newest one committed
+    assert resumed["steps"] == MAX_STEPS, resumed
+    return left, held, root / "checkpoints" / step_prefix(MAX_STEPS)
+
+
 @pytest.mark.parametrize("option", [*(o for o in OPTIONS if o != "adamw-cpu-offload"),
                                     pytest.param("adamw-cpu-offload", marks=ON_CUDA)])
 def test_sigkilled_after_a_committed_training_checkpoint_and_rerun_ends_bitwise_equal(option, tmp_path, monkeypatch):
     if option in NEEDS:
         pytest.importorskip(NEEDS[option])
-    # The uninterrupted run, in this process (the spy sees which code ran); the same function the children run.
-    used = _spy(monkeypatch)
-    straight = kill_child.train_phase(TINY, _overrides(tmp_path / "straight", option))
-    assert straight["final_train_loss"] < straight["initial_val_loss"]  # it trains, as the default does
-    assert MARKER[option] in used, f"{option} was not what the run used: {used[:3]}"
-
-    root = tmp_path / "killed"
-    command = (TINY, _overrides(root, option))  # the killed run and its rerun: the same command
-    first = kill_child.TrainChild(*command, tmp_path, "killed")
-    try:
-        committed = first.wait_for_path(root / "checkpoints" / step_prefix(EVERY) / "manifest.json")
-        code = first.kill()
-    finally:
-        first.kill()
-    assert committed is not None, f"no training checkpoint committed:\n{first.log[-3000:]}"
-    assert code == -signal.SIGKILL, f"the run ended (exit {code}) before the kill:\n{first.log[-3000:]}"
-    left = kill_child.complete_steps(root / "checkpoints")
-    assert left and EVERY <= left[-1] < MAX_STEPS, f"committed after the kill: {left}"
-
-    rerun = kill_child.TrainChild(*command, tmp_path, "rerun")
-    resumed = rerun.finish(timeout=300)
-    assert resumed is not None, f"the rerun failed:\n{rerun.log[-3000:]}"
-    assert resumed["resumed_from"] == left[-1] and resumed["steps"] == MAX_STEPS, resumed  # the newest one left
-    final = step_prefix(MAX_STEPS)
-    diffs = kill_child.training_checkpoint_differences(tmp_path / "straight" / "checkpoints" / final,
-                                                       root / "checkpoints" / final)
+    straight = _straight(option, tmp_path, monkeypatch)
+    left, _, final = _killed_and_rerun(option, tmp_path, f"{step_prefix(EVERY)}/manifest.json")
+    assert left and EVERY <= left[-1] < MAX_STEPS, f"committed when killed: {left}"
+    diffs = kill_child.training_checkpoint_differences(straight, final)
     assert not diffs, f"{option}: resumed run differs from the uninterrupted one: {diffs[:5]}"
     if option == "lora-dropout":  # adapters trained, and the RNG state compared above moved on from its seed
         from memfit.checkpoints.reader import read_checkpoint_folder
 
-        ckpt = read_checkpoint_folder(root / "checkpoints" / final)
+        ckpt = read_checkpoint_folder(final)
         assert any("lora_A" in k for k in ckpt.model_state)
         assert not torch.equal(ckpt.rng_tensors["torch"], torch.Generator().manual_seed(42).get_state())
 
 
+def test_sigkilled_mid_upload_the_half_written_checkpoint_is_never_used(tmp_path, monkeypatch):
+    """Killed while the first training checkpoint's files are uploading (its manifest not yet written): the rerun
+    starts from scratch over that folder and still ends bitwise equal."""
+    option = "adamw-8bit" if _has("bitsandbytes") else "adamw"  # 8-bit: the optimizer file unlike the others
+    straight = _straight(option, tmp_path, monkeypatch)
+    half = step_prefix(EVERY)
+    left, held, final = _killed_and_rerun(option, tmp_path, f"{half}/model.safetensors", MEMFIT_TEST_UPLOAD_DELAY="0.3")
+    assert left == [] and f"{half}/model.safetensors" in held and f"{half}/manifest.json" not in held, held
+    assert not kill_child.training_checkpoint_differences(straight, final)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 # -- each optimizer's state through the training checkpoint format, without pickle -----------------------
 ROUND_TRIP = {"adamw": ("adamw", False), "adamw-fused": ("adamw-fused", False), "adamw-8bit": ("adamw-8bit", False),
-              "step-in-backward": ("adamw", True)}
+              "step-in-backward": ("adamw", True), "adamw-cpu-offload": ("adamw-cpu-offload", False)}
 
 
-def _model() -> nn.Module:
+def _model(device: str) -> nn.Module:
     torch.manual_seed(0)  # 2-D weights of >= 4096 elements: bitsandbytes keeps their state in 8 bits
-    return nn.Sequential(nn.Embedding(384, 64), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 384))
+    return nn.Sequential(nn.Embedding(384, 64), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 384)).to(device)
 
 
 def _optimizer(model: nn.Module, kind: str, in_backward: bool) -> tuple[torch.optim.Optimizer, object]:
@@ -130,7 +160,7 @@ def _optimizer(model: nn.Module, kind: str, in_backward: bool) -> tuple[torch.op
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, hooks, i: int) -> None:
-    x = torch.arange(i, i + 32).remainder(384).view(4, 8)
+    x = torch.arange(i, i + 32).remainder(384).view(4, 8).to(next(model.parameters()).device)
     nn.functional.cross_entropy(model(x).flatten(0, 1), x.roll(1).flatten()).backward()
     if hooks is None:
         opt.step()
@@ -139,7 +169,14 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, hooks, i: int) -> None:
         hooks.finish()
 
 
-@pytest.mark.parametrize("option", list(ROUND_TRIP))
+def _param_states(optimizer_state) -> list[dict]:
+    """Each parameter's state: one optimizer's, or (torchao's CPU offload) one optimizer's per parameter."""
+    optimizers = optimizer_state if isinstance(optimizer_state, list) else [optimizer_state]
+    return [s for o in optimizers for s in o["state"].values()]
+
+
+@pytest.mark.parametrize("option", [*(o for o in ROUND_TRIP if o != "adamw-cpu-offload"),
+                                    pytest.param("adamw-cpu-offload", marks=ON_CUDA)])
 def test_optimizer_state_round_trips_through_the_training_checkpoint_format(option, tmp_path):
     from memfit.checkpoints.format import take_snapshot
     from memfit.checkpoints.manager import write_local
@@ -148,7 +185,8 @@ def test_optimizer_state_round_trips_through_the_training_checkpoint_format(opti
     kind, in_backward = ROUND_TRIP[option]
     if kind in NEEDS:
         pytest.importorskip(NEEDS[kind])
-    model = _model()
+    device = "cuda" if kind == "adamw-cpu-offload" else "cpu"
+    model = _model(device)
     opt, hooks = _optimizer(model, kind, in_backward)
     for i in range(3):
         _step(model, opt, hooks, i)
@@ -156,14 +194,14 @@ def test_optimizer_state_round_trips_through_the_training_checkpoint_format(opti
     write_local(take_snapshot(3, model.state_dict(), saved, {"torch": torch.get_rng_state()}, {"step": 3}, ""),
                 tmp_path)
     loaded = read_checkpoint_folder(tmp_path)  # weights_only torch.load: any pickled object would be refused
-    states = list(loaded.optimizer_state["state"].values())
+    states = _param_states(loaded.optimizer_state)
     assert len(states) == len(list(model.parameters())) and all(s["step"] == 3 for s in states)  # every one stepped
     if kind == "adamw-8bit":  # bitsandbytes' own layout: 8-bit moments, their quantization maps and block scales
         quant = [s["__bnb_optimizer_quant_state__"] for s in states]
         eight = [q for q in quant if q["state1"].dtype == torch.uint8]
         assert len(eight) == 3 and all({"qmap1", "qmap2", "absmax1", "absmax2"} <= q.keys() for q in eight)
 
-    fresh = _model()
+    fresh = _model(device)
     fresh.load_state_dict(dict(loaded.model_state))
     again, again_hooks = _optimizer(fresh, kind, in_backward)
     again.load_state_dict(loaded.optimizer_state)
