@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -43,8 +43,6 @@ def _train_child(config_path: str, overrides: list[str], log_path: str, report_p
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    import logging
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     report = train_phase(config_path, overrides)
     Path(report_path).write_text(json.dumps(report))
@@ -95,10 +93,8 @@ class TrainChild:
 
     def kill(self) -> int | None:
         """SIGKILL at once; the exit code (-9 when the kill ended it, 0 when it had finished already)."""
-        try:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.proc.exitcode is None:  # never a signal to a pid that has ended (and may be reused)
+            self.proc.kill()
         self.proc.join(timeout=30)
         return self.proc.exitcode
 
