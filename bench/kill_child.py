@@ -61,6 +61,16 @@ def _train_context():
     return _train_ctx
 
 
+def stop_fork_server() -> None:
+    """End the fork server (it holds torch and transformers in memory, ~0.5 GB) once the trials are done; the next
+    TrainChild starts a new one. multiprocessing has no public call for this; its own tests use `_stop`."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 class TrainChild:
     """`train_phase(config_path, overrides)` in a child process of its own; SIGKILL ends it as it would end
     `memfit run` (no handler, no atexit, the writer thread mid-way). Its log: `folder/NAME.log`; `env`: variables

@@ -40,6 +40,12 @@ MARKER = {"adamw": "AdamW", "adamw-fused": "fused", "adamw-8bit": "AdamW8bit", "
 ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="adamw-cpu-offload needs CUDA")]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fork_server():
+    yield
+    kill_child.stop_fork_server()
+
+
 def _overrides(root: Path, option: str) -> list[str]:
     return tiny_overrides(root, **{"train.max_steps": MAX_STEPS, "checkpoint.every_steps": EVERY,
                                    "train.warmup_steps": 2, "data.synthetic_docs": 400, "export.onnx": False,
