@@ -14,6 +14,7 @@ from memfit.memory.devices import DeviceProfile, get_profile, profile_for_report
 from memfit.memory.estimate import Estimator, model_config_for, n_blocks_of
 from memfit.memory.plan import Plan, assignments, choose
 from memfit.memory.policies import make_policy
+from memfit.memory.tracker import total
 
 log = logging.getLogger("memfit.memory")
 GB = 1e9
@@ -51,18 +52,58 @@ def resolve_budget(memory_cfg: Any, profile: DeviceProfile, device_report: dict[
 
 
 # Stack fields the planner varies within a tier (not fallbacks: the fastest that fits wins), each with the
-# values the estimator models. The memory.loss / memory.optimizer / optimizer_in_backward work appends its
-# fields here once the estimator honours them, e.g. TECHNIQUE_CHOICES["loss"] = ("plain", "chunked").
-TECHNIQUE_CHOICES: dict[str, tuple[Any, ...]] = {}
+# values the estimator models; a field is varied only where its config value is `auto` (technique_choices).
+# Both leave the numbers of a step as they are: the chunked loss equals the plain one, and the step in
+# backward is the same AdamW step (without clipping). Offload is a checkpointing kind (CUDA targets only).
+TECHNIQUE_CHOICES: dict[str, tuple[Any, ...]] = {"loss": ("plain", "chunked"),
+                                                 "optimizer_in_backward": (False, True)}
+# The AdamW variants that hold less state, tried (when memory.optimizer is auto) only after the configured
+# one fits nowhere in a tier: they change the numbers (8-bit moments) or the speed (the step on the host).
+LEAN_OPTIMIZERS = ("adamw-8bit", "adamw-cpu-offload")
+
+
+def technique_choices(cfg: Any) -> dict[str, tuple[Any, ...]]:
+    """TECHNIQUE_CHOICES for the fields this config leaves to the planner (memory.* set to auto)."""
+    m = cfg.memory
+    out: dict[str, tuple[Any, ...]] = {}
+    if m.loss == "auto" and cfg.distributed.world_size == 1:  # chunked runs in one process only
+        out["loss"] = TECHNIQUE_CHOICES["loss"]
+    # The step in backward needs every gradient of the step at once for a global clip: only without one.
+    if m.optimizer_in_backward == "auto" and cfg.train.max_grad_norm is None and cfg.distributed.world_size == 1:
+        out["optimizer_in_backward"] = TECHNIQUE_CHOICES["optimizer_in_backward"]
+    return out
+
+
+def _allowed(stack: Stack) -> bool:
+    # The step in backward: one micro-batch a step, and no fp16 loss scaler (it checks every gradient first).
+    return not stack.optimizer_in_backward or (stack.grad_accum_steps == 1 and stack.precision != "fp16-mixed")
 
 
 def technique_variants(stack: Stack, choices: dict[str, tuple[Any, ...]] | None = None) -> list[Stack]:
-    """`stack` with every combination of TECHNIQUE_CHOICES (the stack itself when there are none)."""
+    """`stack` with every allowed combination of `choices` (the stack itself when there are none)."""
     choices = TECHNIQUE_CHOICES if choices is None else choices
     if not choices:
         return [stack]
     keys = list(choices)
-    return [replace(stack, **dict(zip(keys, values, strict=True))) for values in itertools.product(*choices.values())]
+    variants = [replace(stack, **dict(zip(keys, values, strict=True)))
+                for values in itertools.product(*choices.values())]
+    return [v for v in variants if _allowed(v)] or [stack]
+
+
+def optimizer_fallbacks(cfg: Any, profile: DeviceProfile) -> list[str]:
+    """memory.optimizer as set, or under auto the default one, then the leaner ones this target can run."""
+    import importlib.util
+
+    from memfit.optim import resolve_optimizer
+
+    if cfg.memory.optimizer != "auto":
+        return [cfg.memory.optimizer]
+    lean = []
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        lean.append("adamw-8bit")
+    if profile.kind == "cuda":  # torchao's CPUOffloadOptimizer: a CUDA device and pinned host memory
+        lean.append("adamw-cpu-offload")
+    return [resolve_optimizer("auto", profile.kind)] + lean
 
 
 def techniques(cfg: Any) -> dict[str, Any]:
@@ -124,17 +165,26 @@ def _micro_batches(cfg: Any) -> list[int]:
 
 def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:
     """Stacks to try, tier by tier: the configured precision without LoRA first, then LoRA, then a 4-bit
-    base, then other precisions; within a tier every micro-batch and every TECHNIQUE_CHOICES variant."""
+    base, then other precisions, each with the configured optimizer and then the leaner ones
+    (optimizer_fallbacks); within a tier every micro-batch and every technique_choices variant."""
     t = cfg.train
     precisions = [t.precision] + [p for p in cfg.memory.allow_precisions if p != t.precision]
-    precisions = [p for p in precisions if profile.bf16 or not p.startswith("bf16")] or [t.precision]
+    precisions = [p for p in precisions if profile.bf16 or not p.startswith("bf16")] or [_no_bf16(t.precision)]
+    choices = technique_choices(cfg)
     tiers = []
     for lora, quantize in lora_fallbacks(cfg.lora):
         for precision in precisions:
-            tiers.append([v for m in _micro_batches(cfg)
-                          for v in technique_variants(Stack(precision, m, t.batch_size // m, lora, quantize,
-                                                            **techniques(cfg)))])
+            for optimizer in optimizer_fallbacks(cfg, profile):
+                base = {**techniques(cfg), "optimizer": optimizer}
+                tiers.append([v for m in _micro_batches(cfg)
+                              for v in technique_variants(Stack(precision, m, t.batch_size // m, lora, quantize,
+                                                                **base), choices)])
     return tiers
+
+
+def _no_bf16(precision: str) -> str:
+    # A target without bf16 (a T4) runs the same mixed-precision recipe in fp16, with the loss scaler.
+    return "fp16-mixed" if precision == "bf16-mixed" else precision
 
 
 def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, hf_config: Any | None = None,
@@ -145,6 +195,8 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     est = estimator or make_estimator(cfg, profile, hf_config)
     n = est.n_blocks
     configured = configured_stack(cfg, lora=cfg.lora.enabled is True)
+    if not profile.bf16:
+        configured = replace(configured, precision=_no_bf16(configured.precision))
     baseline = est.estimate(configured, ("none",) * n)
     policy = cfg.memory.policy
     if policy != "auto":
@@ -177,10 +229,14 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     plan: Plan | None = None
     for tier in tiers:
         ordered = sorted(tier, key=lambda s: -s.micro_batch_size)
+        if limit is not None:
+            # What no activation can lower: weights and optimizer state (gradients too unless stepped in
+            # backward), traced once per variant at full depth; a stack over the limit with them is skipped.
+            ordered = [s for s in ordered if _floor(est, s) <= limit]
+            if not ordered:
+                continue  # none of this tier's stacks can fit: not one step traced
         top = ordered[0].micro_batch_size
         firsts = [s for s in ordered if s.micro_batch_size == top]
-        if budget is not None and est.static(firsts[0]).weight_bytes > budget:
-            continue  # this tier's weights alone exceed the budget: none of its stacks can fit
         seen += [est.estimate(first, k) for first in firsts for k in every]
         plan = choose(seen, budget, configured=configured, baseline=baseline,
                       safety_margin=cfg.memory.safety_margin, budget_source=source,
@@ -205,20 +261,30 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     return plan
 
 
+def _floor(est: Estimator, stack: Stack) -> int:
+    st = est.static(stack)
+    return total(st.before_opt if not est.resolved(stack).optimizer_in_backward else st.after_opt)
+
+
 def plan_table_markdown(plan: Plan) -> str:
     """The candidate table, chosen first, as Markdown (MLflow artifact, Prefect artifact, CLI)."""
-    rows = ["| | policy | blocks | precision | micro x accum | LoRA | peak GB | activations GB | overhead | fits |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| | policy | blocks | precision | micro x accum | LoRA | loss / optimizer | peak GB | activations GB | "
+            "overhead | fits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in plan.table:
         r = plan.row(e)
         blocks = ", ".join(f"{v} {k}" for k, v in r["blocks"].items())
         policy = f"every_k (k={e.every_k})" if e.policy == "every_k" else e.policy
         mark = "**chosen**" if e is plan.chosen else ""
         rows.append(f"| {mark} | {policy} | {blocks} | {e.stack.precision} | {e.stack.micro_batch_size} x "
-                    f"{e.stack.grad_accum_steps} | {_lora_cell(e.stack)} | {e.peak_bytes / GB:.4g} | "
+                    f"{e.stack.grad_accum_steps} | {_lora_cell(e.stack)} | {_technique_cell(e.stack)} | "
+                    f"{e.peak_bytes / GB:.4g} | "
                     f"{e.activation_bytes / GB:.4g} | {r['predicted_overhead'] * 100:+.1f}% | "
                     f"{'yes' if r['fits'] else 'no'} |")
     return "\n".join(rows)
+
+
+def _technique_cell(stack: Stack) -> str:
+    return f"{stack.loss} / {stack.optimizer}" + (", step in backward" if stack.optimizer_in_backward else "")
 
 
 def _lora_cell(stack: Stack) -> str:
@@ -275,6 +341,19 @@ def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = N
     return plan, out
 
 
+def longest_context_stack(cfg: Any, profile: DeviceProfile, planned: Estimate) -> tuple[Stack, tuple[str, ...]]:
+    """The planned stack (precision, LoRA/quantization, micro-batch, optimizer) made as lean per token as the
+    config lets the planner make it: under memory.policy auto every block checkpointed (offloaded on a CUDA
+    target), under memory.loss auto the chunked loss. Activations grow with the sequence, the weights do not,
+    so that is the stack that fits the longest sequence; a fixed policy or loss is kept as set."""
+    stack, kinds = planned.stack, planned.kinds
+    if cfg.memory.policy == "auto":
+        kinds = ("offload" if profile.kind == "cuda" else "full",) * len(kinds)
+    if cfg.memory.loss == "auto" and cfg.distributed.world_size == 1:
+        stack = replace(stack, loss="chunked")
+    return stack, kinds
+
+
 MAX_SEQ_STEP = 64  # --max-seq answers in multiples of this many tokens
 
 
@@ -300,8 +379,8 @@ def longest_seq_len(est: Estimator, stack: Stack, kinds: tuple[str, ...], limit:
 
 
 def max_seq_report(cfg: Any, device: str | None = None, budget_gb: float | None = None) -> dict[str, Any]:
-    """`memfit plan --max-seq`: the stack the planner chooses at data.seq_len, then the longest data.seq_len that
-    stack (its checkpointing per block, micro-batch, precision, LoRA/quantization) fits the budget with."""
+    """`memfit plan --max-seq`: the stack the planner chooses at data.seq_len, made lean per token
+    (longest_context_stack), then the longest data.seq_len it fits the budget with."""
     from memfit.config import DataConfig
     from memfit.modeling import model_max_positions
 
@@ -312,10 +391,12 @@ def max_seq_report(cfg: Any, device: str | None = None, budget_gb: float | None 
     est = make_estimator(cfg, profile, hf_config)
     plan = plan_for(cfg, profile, budget, source, estimator=est)
     stack_est = plan.chosen or min(plan.table, key=lambda x: x.peak_bytes)
+    stack, kinds = longest_context_stack(cfg, profile, stack_est)
     limit = int(budget * (1 - cfg.memory.safety_margin))
     hi = next(int(m.le) for m in DataConfig.model_fields["seq_len"].metadata if getattr(m, "le", None))
     t0 = time.perf_counter()
-    seq, best = longest_seq_len(est, stack_est.stack, stack_est.kinds, limit, hi)
+    seq, best = longest_seq_len(est, stack, kinds, limit, hi)
+    stack_est = best or stack_est
     positions = model_max_positions(hf_config)
     out = {"max_seq_len": seq, "device": profile.name, "budget_bytes": budget, "budget_source": source,
            "limit_bytes": limit, "stack": plan.row(stack_est), "planned_at_seq_len": cfg.data.seq_len,
