@@ -341,16 +341,20 @@ def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = N
     return plan, out
 
 
-def longest_context_stack(cfg: Any, profile: DeviceProfile, planned: Estimate) -> tuple[Stack, tuple[str, ...]]:
+def longest_context_stack(cfg: Any, profile: DeviceProfile, planned: Estimate, vocab_size: int
+                          ) -> tuple[Stack, tuple[str, ...]]:
     """The planned stack (precision, LoRA/quantization, micro-batch, optimizer) made as lean per token as the
-    config lets the planner make it: under memory.policy auto every block checkpointed (offloaded on a CUDA
-    target), under memory.loss auto the chunked loss. Activations grow with the sequence, the weights do not,
-    so that is the stack that fits the longest sequence; a fixed policy or loss is kept as set."""
+    config lets it be: under memory.policy auto every block checkpointed (offloaded on a CUDA target), under
+    memory.loss auto the loss a run resolves auto to (chunked for large vocabularies, as `memfit estimate`
+    assumes), even where the planner chose plain at data.seq_len. Activations grow with the sequence, the
+    weights do not, so that is the stack that fits the longest sequence; a fixed policy or loss is kept."""
+    from memfit.training.loss import resolve_loss
+
     stack, kinds = planned.stack, planned.kinds
     if cfg.memory.policy == "auto":
         kinds = ("offload" if profile.kind == "cuda" else "full",) * len(kinds)
-    if cfg.memory.loss == "auto" and cfg.distributed.world_size == 1:
-        stack = replace(stack, loss="chunked")
+    if cfg.memory.loss == "auto":
+        stack = replace(stack, loss=resolve_loss("auto", vocab_size, cfg.distributed.world_size))
     return stack, kinds
 
 
@@ -391,7 +395,7 @@ def max_seq_report(cfg: Any, device: str | None = None, budget_gb: float | None 
     est = make_estimator(cfg, profile, hf_config)
     plan = plan_for(cfg, profile, budget, source, estimator=est)
     stack_est = plan.chosen or min(plan.table, key=lambda x: x.peak_bytes)
-    stack, kinds = longest_context_stack(cfg, profile, stack_est)
+    stack, kinds = longest_context_stack(cfg, profile, stack_est, int(getattr(hf_config, "vocab_size", 0) or 0))
     limit = int(budget * (1 - cfg.memory.safety_margin))
     hi = next(int(m.le) for m in DataConfig.model_fields["seq_len"].metadata if getattr(m, "le", None))
     t0 = time.perf_counter()

@@ -283,8 +283,9 @@ def test_max_seq_takes_the_leanest_per_token_stack_the_config_leaves_open():
 
     planned = est(["none"] * 6 + ["full"] * 2)
     cuda, cpu = get_profile("t4", "x"), PROFILES["cpu"]
-    stack, kinds = longest_context_stack(config.from_dict({}), cuda, planned)
-    assert kinds == ("offload",) * N and stack.loss == "chunked"  # auto policy and loss
-    assert longest_context_stack(config.from_dict({}), cpu, planned)[1] == ("full",) * N  # no offload off CUDA
+    stack, kinds = longest_context_stack(config.from_dict({}), cuda, planned, 128_256)
+    assert kinds == ("offload",) * N and stack.loss == "chunked"  # auto policy, and auto loss at a large vocab
+    assert longest_context_stack(config.from_dict({}), cuda, planned, 512)[0].loss == "plain"  # as a run has it
+    assert longest_context_stack(config.from_dict({}), cpu, planned, 512)[1] == ("full",) * N  # offload: CUDA only
     fixed = config.from_dict({"memory": {"policy": "selective", "loss": "plain"}})
-    assert longest_context_stack(fixed, cuda, planned) == (planned.stack, planned.kinds)  # as set
+    assert longest_context_stack(fixed, cuda, planned, 128_256) == (planned.stack, planned.kinds)  # as set
