@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import replace
 from typing import Any
 
 from memfit.errors import ConfigError
+from memfit.memory.candidates import (
+    configured_stack,
+    lora_fallbacks,
+    no_bf16_precision,
+    optimizer_fallbacks,
+    technique_choices,
+    technique_variants,
+    techniques,
+)
 from memfit.memory.compose import Estimate, Stack
 from memfit.memory.devices import DeviceProfile, get_profile, profile_for_report
 from memfit.memory.estimate import Estimator, model_config_for, n_blocks_of
@@ -51,85 +59,6 @@ def resolve_budget(memory_cfg: Any, profile: DeviceProfile, device_report: dict[
     return None, "none (CPU without memory.budget_gb)"
 
 
-# Stack fields the planner varies within a tier (not fallbacks: the fastest that fits wins), each with the
-# values the estimator models; a field is varied only where its config value is `auto` (technique_choices).
-# Both leave the numbers of a step as they are: the chunked loss equals the plain one, and the step in
-# backward is the same AdamW step (without clipping). Offload is a checkpointing kind (CUDA targets only).
-TECHNIQUE_CHOICES: dict[str, tuple[Any, ...]] = {"loss": ("plain", "chunked"),
-                                                 "optimizer_in_backward": (False, True)}
-# The AdamW variants that hold less state, tried (when memory.optimizer is auto) only after the configured
-# one fits nowhere in a tier: they change the numbers (8-bit moments) or the speed (the step on the host).
-LEAN_OPTIMIZERS = ("adamw-8bit", "adamw-cpu-offload")
-
-
-def technique_choices(cfg: Any) -> dict[str, tuple[Any, ...]]:
-    """TECHNIQUE_CHOICES for the fields this config leaves to the planner (memory.* set to auto)."""
-    m = cfg.memory
-    out: dict[str, tuple[Any, ...]] = {}
-    if m.loss == "auto" and cfg.distributed.world_size == 1:  # chunked runs in one process only
-        out["loss"] = TECHNIQUE_CHOICES["loss"]
-    # The step in backward needs every gradient of the step at once for a global clip: only without one.
-    if m.optimizer_in_backward == "auto" and cfg.train.max_grad_norm is None and cfg.distributed.world_size == 1:
-        out["optimizer_in_backward"] = TECHNIQUE_CHOICES["optimizer_in_backward"]
-    return out
-
-
-def _allowed(stack: Stack) -> bool:
-    # The step in backward: one micro-batch a step, and no fp16 loss scaler (it checks every gradient first).
-    return not stack.optimizer_in_backward or (stack.grad_accum_steps == 1 and stack.precision != "fp16-mixed")
-
-
-def technique_variants(stack: Stack, choices: dict[str, tuple[Any, ...]] | None = None) -> list[Stack]:
-    """`stack` with every allowed combination of `choices` (the stack itself when there are none)."""
-    choices = TECHNIQUE_CHOICES if choices is None else choices
-    if not choices:
-        return [stack]
-    keys = list(choices)
-    variants = [replace(stack, **dict(zip(keys, values, strict=True)))
-                for values in itertools.product(*choices.values())]
-    return [v for v in variants if _allowed(v)] or [stack]
-
-
-def optimizer_fallbacks(cfg: Any, profile: DeviceProfile) -> list[str]:
-    """memory.optimizer as set, or under auto the default one, then the leaner ones this target can run."""
-    import importlib.util
-
-    from memfit.optim import resolve_optimizer
-
-    if cfg.memory.optimizer != "auto":
-        return [cfg.memory.optimizer]
-    lean = []
-    if importlib.util.find_spec("bitsandbytes") is not None:
-        lean.append("adamw-8bit")
-    if profile.kind == "cuda":  # torchao's CPUOffloadOptimizer: a CUDA device and pinned host memory
-        lean.append("adamw-cpu-offload")
-    return [resolve_optimizer("auto", profile.kind)] + lean
-
-
-def techniques(cfg: Any) -> dict[str, Any]:
-    """The memory.* techniques a stack carries (auto loss and optimizer are resolved by the estimator)."""
-    m = cfg.memory
-    return {"loss": m.loss, "optimizer": m.optimizer, "optimizer_in_backward": m.optimizer_in_backward is True}
-
-
-def configured_stack(cfg: Any, lora: bool | None = None) -> Stack:
-    t = cfg.train
-    if lora is None:
-        lora = cfg.lora.enabled is True
-    return Stack(t.precision, t.micro_batch_size, t.grad_accum_steps, lora,
-                 quantize=cfg.lora.quantize if lora and cfg.lora.enabled is True else "none", **techniques(cfg))
-
-
-def lora_fallbacks(lora_cfg: Any) -> list[tuple[bool, str]]:
-    """(LoRA, quantization) in the order the planner tries them: lora.enabled fixes LoRA; under auto full
-    fine-tuning first, then LoRA on a 16-bit base, then (when lora.quantize allows it) on a 4-bit base."""
-    if lora_cfg.enabled is True:
-        return [(True, lora_cfg.quantize)]
-    if lora_cfg.enabled is False:
-        return [(False, "none")]
-    return [(False, "none"), (True, "none")] + ([(True, lora_cfg.quantize)] if lora_cfg.quantize != "none" else [])
-
-
 def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = None) -> Estimator:
     return Estimator(hf_config if hf_config is not None else model_config_for(cfg), cfg.data.seq_len, profile,
                      lora_cfg=cfg.lora, save_ops=cfg.memory.selective_save_ops, block_class=cfg.memory.block_class,
@@ -169,7 +98,7 @@ def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:
     (optimizer_fallbacks); within a tier every micro-batch and every technique_choices variant."""
     t = cfg.train
     precisions = [t.precision] + [p for p in cfg.memory.allow_precisions if p != t.precision]
-    precisions = [p for p in precisions if profile.bf16 or not p.startswith("bf16")] or [_no_bf16(t.precision)]
+    precisions = [p for p in precisions if profile.bf16 or not p.startswith("bf16")] or [no_bf16_precision(t.precision)]
     choices = technique_choices(cfg)
     tiers = []
     for lora, quantize in lora_fallbacks(cfg.lora):
@@ -182,11 +111,6 @@ def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:
     return tiers
 
 
-def _no_bf16(precision: str) -> str:
-    # A target without bf16 (a T4) runs the same mixed-precision recipe in fp16, with the loss scaler.
-    return "fp16-mixed" if precision == "bf16-mixed" else precision
-
-
 def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, hf_config: Any | None = None,
              estimator: Estimator | None = None) -> Plan:
     """Estimate the candidate stacks tier by tier and choose; a fixed memory.policy is estimated only (with
@@ -196,7 +120,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     n = est.n_blocks
     configured = configured_stack(cfg, lora=cfg.lora.enabled is True)
     if not profile.bf16:
-        configured = replace(configured, precision=_no_bf16(configured.precision))
+        configured = replace(configured, precision=no_bf16_precision(configured.precision))
     baseline = est.estimate(configured, ("none",) * n)
     policy = cfg.memory.policy
     if policy != "auto":
