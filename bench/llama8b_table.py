@@ -2,8 +2,8 @@
 
 Workload (issue #14, torchtune's recipes): configs/llama-3-8b-lora.yaml at batch 2 x 2048, LoRA r=8 on every
 linear layer of the blocks, full gradient checkpointing (or offload, its CUDA variant), target an RTX 4090.
-Nothing is allocated: each row is `memfit estimate` on fake tensors from config.json alone. Rows that need
-the `lean-step` techniques (chunked loss, lean optimizers) appear once memory.loss / memory.optimizer exist.
+Nothing is allocated: each row is `memfit estimate` on fake tensors from config.json alone, with the loss
+(memory.loss) and the AdamW variant (memory.optimizer, memory.optimizer_in_backward) named in its label.
 
     PYTHONPATH=. python bench/llama8b_table.py            # a few minutes on 2 busy cores; writes bench/out/
 """
@@ -25,15 +25,32 @@ REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 WORKLOAD = ["train.batch_size=2", "train.grad_accum_steps=1", "data.seq_len=2048", "lora.r=8", "lora.alpha=16"]
 # (label, --set overrides, policy, the anchor's published figure for the same job)
+CHUNKED = ["memory.loss=chunked"]
+LEANEST = ["lora.enabled=false", "train.precision=bf16-true", "train.max_grad_norm=null",
+           "memory.optimizer=adamw-cpu-offload", "memory.optimizer_in_backward=true", *CHUNKED]
+TORCHTUNE_LORA = "torchtune 16.2 GiB (RTX 4090, Llama-3.1-8B, batch 2, packed 2048)"
 ROWS = [
-    ("LoRA, bf16-mixed, bf16 frozen base", ["lora.enabled=true"], "full",
-     "torchtune 16.2 GiB (RTX 4090, Llama-3.1-8B, batch 2, packed 2048)"),
-    ("LoRA, bf16-mixed, bf16 base, activation offload", ["lora.enabled=true"], "offload", "torchtune 16.2 GiB"),
-    ("LoRA, bf16-true", ["lora.enabled=true", "train.precision=bf16-true"], "full", ""),
-    ("QLoRA (NF4 base), bf16-mixed", ["lora.enabled=true", "lora.quantize=nf4"], "full", "torchtune 7.4 GiB"),
-    ("QLoRA (NF4 base), activation offload", ["lora.enabled=true", "lora.quantize=nf4"], "offload",
-     "torchtune 7.4 GiB; Unsloth: 40.7 K tokens of context on 16 GB"),
-    ("full fine-tune, bf16-true, AdamW", ["lora.enabled=false", "train.precision=bf16-true"], "full",
+    ("LoRA, bf16-mixed, bf16 frozen base, plain loss", ["lora.enabled=true", "memory.loss=plain"], "full", ""),
+    ("LoRA, bf16-mixed, bf16 base, chunked loss", ["lora.enabled=true", *CHUNKED], "full", TORCHTUNE_LORA),
+    ("LoRA, bf16 base, chunked loss, activation offload", ["lora.enabled=true", *CHUNKED], "offload",
+     TORCHTUNE_LORA),
+    ("LoRA, bf16 base, chunked loss, activation offload, AdamW step in backward (no clipping)",
+     ["lora.enabled=true", *CHUNKED, "train.max_grad_norm=null", "memory.optimizer_in_backward=true"], "offload",
+     TORCHTUNE_LORA),
+    ("LoRA, bf16 base, chunked loss, 8-bit AdamW", ["lora.enabled=true", *CHUNKED, "memory.optimizer=adamw-8bit"],
+     "full", ""),
+    ("LoRA, bf16-true, chunked loss", ["lora.enabled=true", "train.precision=bf16-true", *CHUNKED], "full", ""),
+    ("QLoRA (NF4 base), bf16-mixed, plain loss", ["lora.enabled=true", "lora.quantize=nf4", "memory.loss=plain"],
+     "full", ""),
+    ("QLoRA (NF4 base), chunked loss", ["lora.enabled=true", "lora.quantize=nf4", *CHUNKED], "full",
+     "torchtune 7.4 GiB"),
+    ("QLoRA (NF4 base), chunked loss, activation offload", ["lora.enabled=true", "lora.quantize=nf4", *CHUNKED],
+     "offload", "torchtune 7.4 GiB; Unsloth: 40.7 K tokens of context on 16 GB"),
+    ("QLoRA (NF4 base), chunked loss, 8-bit AdamW", ["lora.enabled=true", "lora.quantize=nf4", *CHUNKED,
+                                                      "memory.optimizer=adamw-8bit"], "full", "torchtune 7.4 GiB"),
+    ("full fine-tune, bf16-true, AdamW", ["lora.enabled=false", "train.precision=bf16-true", "memory.loss=plain",
+                                          "memory.optimizer=adamw"], "full", ""),
+    ("full fine-tune, bf16-true, chunked loss, AdamW on the CPU, step in backward", LEANEST, "full",
      "torchtune 18.9 GiB (paged 8-bit AdamW, optimizer step in backward)"),
 ]
 
@@ -46,16 +63,18 @@ def row(label: str, sets: list[str], policy: str, anchor: str, device: str) -> d
     return {"stack": label, "policy": policy, "total_gib": out["total_bytes"] / GIB,
             "weights_gib": out["weight_bytes"] / GIB, "params_gib": b["params"] / GIB,
             "optimizer_gib": b["optimizer"] / GIB, "activations_gib": b["activations"] / GIB,
-            "other_gib": b["other"] / GIB, "host_gib": out["host_bytes"] / GIB, "peak_at": out["peak_at"],
+            "other_gib": b["other"] / GIB, "loss": cfg.memory.loss, "optimizer": cfg.memory.optimizer,
+            "host_gib": out["host_bytes"] / GIB, "peak_at": out["peak_at"],
             "fits": out["fits"], "anchor": anchor, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def markdown(rows: list[dict], device: str) -> str:
     head = (f"| stack ({device}, batch 2 x 2048, LoRA r=8) | checkpointing | memfit estimate GiB | params | "
-            "optimizer | activations | other | host | published figure |\n|---|---|---|---|---|---|---|---|---|")
+            "optimizer | activations | other | host | peak at | published figure |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
     body = [f"| {r['stack']} | {r['policy']} | **{r['total_gib']:.2f}** | {r['params_gib']:.2f} | "
             f"{r['optimizer_gib']:.2f} | {r['activations_gib']:.2f} | {r['other_gib']:.2f} | {r['host_gib']:.2f} | "
-            f"{r['anchor']} |" for r in rows]
+            f"{r['peak_at'].replace('micro-batch 1, ', '')} | {r['anchor']} |" for r in rows]
     return "\n".join([head, *body])
 
 

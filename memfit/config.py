@@ -151,7 +151,8 @@ class MemoryConfig(_Section):
         "auto", description="How the LM head and cross-entropy run. plain: full [batch, seq, vocab] logits (what "
         "transformers does); chunked: head and loss per chunk of memory.loss_chunk_tokens tokens, recomputed in "
         "backward, so no full-vocabulary logits are ever alive (on CUDA Liger's fused kernel when installed). "
-        "auto: chunked when the vocabulary has at least 32768 entries, else plain.")
+        "auto: the memory planner's choice where it searches, else chunked when the vocabulary has at least "
+        "32768 entries, else plain.")
     loss_chunk_tokens: int = Field(
         1024, ge=16, le=1_048_576, description="chunked loss: tokens per chunk of the LM head and cross-entropy.")
     optimizer: Literal["auto", "adamw", "adamw-fused", "adamw-8bit", "adamw-cpu-offload"] = Field(

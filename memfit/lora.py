@@ -49,6 +49,22 @@ def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
             p.data = p.data.to(dtype)
 
 
+class _UpcastOutsideAutocast:
+    """peft's `cast_input_dtype_enabled` flag, true only outside autocast. peft casts each adapter's input to the
+    adapter's dtype (fp32) and autocast casts it straight back to the compute dtype for the matmul: the same
+    values, for an fp32 copy of every adapted layer's input and a second compute-dtype copy saved for backward."""
+
+    def __bool__(self) -> bool:
+        return not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+
+
+def skip_redundant_upcast(model: nn.Module) -> None:
+    flag = _UpcastOutsideAutocast()
+    for module in model.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = flag
+
+
 def prepare_lora_model(model: nn.Module, lora_cfg: Any, precision: str, quantize: str | None = None,
                        fake: bool = False, seed: int = 0) -> nn.Module:
     """The one place a LoRA training model is built: the base quantized (lora.quantize, or `quantize`), the
@@ -65,6 +81,7 @@ def prepare_lora_model(model: nn.Module, lora_cfg: Any, precision: str, quantize
         torch.manual_seed(seed)
         model = apply_lora(model, lora_cfg)
     hold_frozen_in(model, compute_dtype(precision))
+    skip_redundant_upcast(model)
     return model
 
 

@@ -101,7 +101,12 @@ def planned_config(cfg: MemfitConfig, plan: PlanReport) -> MemfitConfig:
     batch never changes); training checkpoints save it, so an export rebuilds the base that was trained."""
     train = cfg.train.model_copy(update={"precision": plan.precision, "grad_accum_steps": plan.grad_accum_steps})
     lora = cfg.lora.model_copy(update={"enabled": plan.lora, "quantize": plan.quantize if plan.lora else "none"})
-    return cfg.model_copy(update={"train": train, "lora": lora})
+    # The loss and AdamW variant the planner chose among (memory.* auto); a report without them keeps the config's.
+    chosen = {"loss": plan.loss, "optimizer": plan.optimizer, "optimizer_in_backward": plan.optimizer_in_backward}
+    if cfg.distributed.world_size > 1:
+        chosen["loss"] = None  # several ranks run the model's own loss (auto resolves it so)
+    memory = cfg.memory.model_copy(update={k: v for k, v in chosen.items() if v is not None})
+    return cfg.model_copy(update={"train": train, "lora": lora, "memory": memory})
 
 
 

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import replace
 from typing import Any
 
 from memfit.errors import ConfigError
+from memfit.memory.candidates import (
+    configured_stack,
+    lora_fallbacks,
+    no_bf16_precision,
+    optimizer_fallbacks,
+    technique_choices,
+    technique_variants,
+    techniques,
+)
 from memfit.memory.compose import Estimate, Stack
 from memfit.memory.devices import DeviceProfile, get_profile, profile_for_report
 from memfit.memory.estimate import Estimator, model_config_for, n_blocks_of
 from memfit.memory.plan import Plan, assignments, choose
 from memfit.memory.policies import make_policy
+from memfit.memory.tracker import total
 
 log = logging.getLogger("memfit.memory")
 GB = 1e9
@@ -48,45 +57,6 @@ def resolve_budget(memory_cfg: Any, profile: DeviceProfile, device_report: dict[
     if device_report and device_report.get("type") == "cuda":
         return int(device_report["memory_free_bytes"]), f"free memory of {device_report.get('name')}"
     return None, "none (CPU without memory.budget_gb)"
-
-
-# Stack fields the planner varies within a tier (not fallbacks: the fastest that fits wins), each with the
-# values the estimator models. The memory.loss / memory.optimizer / optimizer_in_backward work appends its
-# fields here once the estimator honours them, e.g. TECHNIQUE_CHOICES["loss"] = ("plain", "chunked").
-TECHNIQUE_CHOICES: dict[str, tuple[Any, ...]] = {}
-
-
-def technique_variants(stack: Stack, choices: dict[str, tuple[Any, ...]] | None = None) -> list[Stack]:
-    """`stack` with every combination of TECHNIQUE_CHOICES (the stack itself when there are none)."""
-    choices = TECHNIQUE_CHOICES if choices is None else choices
-    if not choices:
-        return [stack]
-    keys = list(choices)
-    return [replace(stack, **dict(zip(keys, values, strict=True))) for values in itertools.product(*choices.values())]
-
-
-def techniques(cfg: Any) -> dict[str, Any]:
-    """The memory.* techniques a stack carries (auto loss and optimizer are resolved by the estimator)."""
-    m = cfg.memory
-    return {"loss": m.loss, "optimizer": m.optimizer, "optimizer_in_backward": m.optimizer_in_backward is True}
-
-
-def configured_stack(cfg: Any, lora: bool | None = None) -> Stack:
-    t = cfg.train
-    if lora is None:
-        lora = cfg.lora.enabled is True
-    return Stack(t.precision, t.micro_batch_size, t.grad_accum_steps, lora,
-                 quantize=cfg.lora.quantize if lora and cfg.lora.enabled is True else "none", **techniques(cfg))
-
-
-def lora_fallbacks(lora_cfg: Any) -> list[tuple[bool, str]]:
-    """(LoRA, quantization) in the order the planner tries them: lora.enabled fixes LoRA; under auto full
-    fine-tuning first, then LoRA on a 16-bit base, then (when lora.quantize allows it) on a 4-bit base."""
-    if lora_cfg.enabled is True:
-        return [(True, lora_cfg.quantize)]
-    if lora_cfg.enabled is False:
-        return [(False, "none")]
-    return [(False, "none"), (True, "none")] + ([(True, lora_cfg.quantize)] if lora_cfg.quantize != "none" else [])
 
 
 def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = None) -> Estimator:
@@ -124,16 +94,20 @@ def _micro_batches(cfg: Any) -> list[int]:
 
 def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:
     """Stacks to try, tier by tier: the configured precision without LoRA first, then LoRA, then a 4-bit
-    base, then other precisions; within a tier every micro-batch and every TECHNIQUE_CHOICES variant."""
+    base, then other precisions, each with the configured optimizer and then the leaner ones
+    (optimizer_fallbacks); within a tier every micro-batch and every technique_choices variant."""
     t = cfg.train
     precisions = [t.precision] + [p for p in cfg.memory.allow_precisions if p != t.precision]
-    precisions = [p for p in precisions if profile.bf16 or not p.startswith("bf16")] or [t.precision]
+    precisions = [p for p in precisions if profile.bf16 or not p.startswith("bf16")] or [no_bf16_precision(t.precision)]
+    choices = technique_choices(cfg)
     tiers = []
     for lora, quantize in lora_fallbacks(cfg.lora):
         for precision in precisions:
-            tiers.append([v for m in _micro_batches(cfg)
-                          for v in technique_variants(Stack(precision, m, t.batch_size // m, lora, quantize,
-                                                            **techniques(cfg)))])
+            for optimizer in optimizer_fallbacks(cfg, profile):
+                base = {**techniques(cfg), "optimizer": optimizer}
+                tiers.append([v for m in _micro_batches(cfg)
+                              for v in technique_variants(Stack(precision, m, t.batch_size // m, lora, quantize,
+                                                                **base), choices)])
     return tiers
 
 
@@ -145,6 +119,8 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     est = estimator or make_estimator(cfg, profile, hf_config)
     n = est.n_blocks
     configured = configured_stack(cfg, lora=cfg.lora.enabled is True)
+    if not profile.bf16:
+        configured = replace(configured, precision=no_bf16_precision(configured.precision))
     baseline = est.estimate(configured, ("none",) * n)
     policy = cfg.memory.policy
     if policy != "auto":
@@ -177,10 +153,14 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     plan: Plan | None = None
     for tier in tiers:
         ordered = sorted(tier, key=lambda s: -s.micro_batch_size)
+        if limit is not None:
+            # What no activation can lower: weights and optimizer state (gradients too unless stepped in
+            # backward), traced once per variant at full depth; a stack over the limit with them is skipped.
+            ordered = [s for s in ordered if _floor(est, s) <= limit]
+            if not ordered:
+                continue  # none of this tier's stacks can fit: not one step traced
         top = ordered[0].micro_batch_size
         firsts = [s for s in ordered if s.micro_batch_size == top]
-        if budget is not None and est.static(firsts[0]).weight_bytes > budget:
-            continue  # this tier's weights alone exceed the budget: none of its stacks can fit
         seen += [est.estimate(first, k) for first in firsts for k in every]
         plan = choose(seen, budget, configured=configured, baseline=baseline,
                       safety_margin=cfg.memory.safety_margin, budget_source=source,
@@ -205,20 +185,30 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     return plan
 
 
+def _floor(est: Estimator, stack: Stack) -> int:
+    st = est.static(stack)
+    return total(st.before_opt if not est.resolved(stack).optimizer_in_backward else st.after_opt)
+
+
 def plan_table_markdown(plan: Plan) -> str:
     """The candidate table, chosen first, as Markdown (MLflow artifact, Prefect artifact, CLI)."""
-    rows = ["| | policy | blocks | precision | micro x accum | LoRA | peak GB | activations GB | overhead | fits |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| | policy | blocks | precision | micro x accum | LoRA | loss / optimizer | peak GB | activations GB | "
+            "overhead | fits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in plan.table:
         r = plan.row(e)
         blocks = ", ".join(f"{v} {k}" for k, v in r["blocks"].items())
         policy = f"every_k (k={e.every_k})" if e.policy == "every_k" else e.policy
         mark = "**chosen**" if e is plan.chosen else ""
         rows.append(f"| {mark} | {policy} | {blocks} | {e.stack.precision} | {e.stack.micro_batch_size} x "
-                    f"{e.stack.grad_accum_steps} | {_lora_cell(e.stack)} | {e.peak_bytes / GB:.4g} | "
+                    f"{e.stack.grad_accum_steps} | {_lora_cell(e.stack)} | {_technique_cell(e.stack)} | "
+                    f"{e.peak_bytes / GB:.4g} | "
                     f"{e.activation_bytes / GB:.4g} | {r['predicted_overhead'] * 100:+.1f}% | "
                     f"{'yes' if r['fits'] else 'no'} |")
     return "\n".join(rows)
+
+
+def _technique_cell(stack: Stack) -> str:
+    return f"{stack.loss} / {stack.optimizer}" + (", step in backward" if stack.optimizer_in_backward else "")
 
 
 def _lora_cell(stack: Stack) -> str:
@@ -275,6 +265,23 @@ def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = N
     return plan, out
 
 
+def longest_context_stack(cfg: Any, profile: DeviceProfile, planned: Estimate, vocab_size: int
+                          ) -> tuple[Stack, tuple[str, ...]]:
+    """The planned stack (precision, LoRA/quantization, micro-batch, optimizer) made as lean per token as the
+    config lets it be: under memory.policy auto every block checkpointed (offloaded on a CUDA target), under
+    memory.loss auto the loss a run resolves auto to (chunked for large vocabularies, as `memfit estimate`
+    assumes), even where the planner chose plain at data.seq_len. Activations grow with the sequence, the
+    weights do not, so that is the stack that fits the longest sequence; a fixed policy or loss is kept."""
+    from memfit.training.loss import resolve_loss
+
+    stack, kinds = planned.stack, planned.kinds
+    if cfg.memory.policy == "auto":
+        kinds = ("offload" if profile.kind == "cuda" else "full",) * len(kinds)
+    if cfg.memory.loss == "auto":
+        stack = replace(stack, loss=resolve_loss("auto", vocab_size, cfg.distributed.world_size))
+    return stack, kinds
+
+
 MAX_SEQ_STEP = 64  # --max-seq answers in multiples of this many tokens
 
 
@@ -300,8 +307,8 @@ def longest_seq_len(est: Estimator, stack: Stack, kinds: tuple[str, ...], limit:
 
 
 def max_seq_report(cfg: Any, device: str | None = None, budget_gb: float | None = None) -> dict[str, Any]:
-    """`memfit plan --max-seq`: the stack the planner chooses at data.seq_len, then the longest data.seq_len that
-    stack (its checkpointing per block, micro-batch, precision, LoRA/quantization) fits the budget with."""
+    """`memfit plan --max-seq`: the stack the planner chooses at data.seq_len, made lean per token
+    (longest_context_stack), then the longest data.seq_len it fits the budget with."""
     from memfit.config import DataConfig
     from memfit.modeling import model_max_positions
 
@@ -312,10 +319,12 @@ def max_seq_report(cfg: Any, device: str | None = None, budget_gb: float | None 
     est = make_estimator(cfg, profile, hf_config)
     plan = plan_for(cfg, profile, budget, source, estimator=est)
     stack_est = plan.chosen or min(plan.table, key=lambda x: x.peak_bytes)
+    stack, kinds = longest_context_stack(cfg, profile, stack_est, int(getattr(hf_config, "vocab_size", 0) or 0))
     limit = int(budget * (1 - cfg.memory.safety_margin))
     hi = next(int(m.le) for m in DataConfig.model_fields["seq_len"].metadata if getattr(m, "le", None))
     t0 = time.perf_counter()
-    seq, best = longest_seq_len(est, stack_est.stack, stack_est.kinds, limit, hi)
+    seq, best = longest_seq_len(est, stack, kinds, limit, hi)
+    stack_est = best or stack_est
     positions = model_max_positions(hf_config)
     out = {"max_seq_len": seq, "device": profile.name, "budget_bytes": budget, "budget_source": source,
            "limit_bytes": limit, "stack": plan.row(stack_est), "planned_at_seq_len": cfg.data.seq_len,

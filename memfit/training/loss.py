@@ -87,11 +87,75 @@ def _refuse_wrapped(model: nn.Module) -> None:
 
 
 def _head_ce_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of one chunk of tokens: logits upcast to fp32 as transformers does."""
+    """Summed cross-entropy of one chunk through a wrapped head (adapters, quantized): its own forward, logits
+    upcast to fp32 as transformers does (recomputed in backward under torch.utils.checkpoint)."""
+    return F.cross_entropy(head(hidden).float(), labels, ignore_index=-100, reduction="sum")
+
+
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    # What F.linear would compute in here: autocast's dtype when it is on (the trainer's mixed precision).
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of one chunk of tokens through a plain linear head, logits in fp32.
+
+    Neither pass keeps more than one fp32 [chunk, vocab] buffer: forward turns the logits into their
+    log-sum-exp in place and saves only that ([chunk] floats); backward recomputes the logits and turns that same
+    buffer into their gradient (softmax minus one-hot) in place, where autograd through log_softmax would hold
+    the log-probabilities, their gradient and the logits' gradient at once.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                labels: torch.Tensor) -> torch.Tensor:
+        dtype = _matmul_dtype(hidden, weight)
+        logits = _chunk_logits(hidden, weight, bias, dtype)
+        valid = labels != -100
+        target = logits.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+        top = logits.amax(dim=1)
+        lse = logits.sub_(top[:, None]).exp_().sum(dim=1).log_().add_(top)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.dtype = dtype
+        return torch.where(valid, lse - target, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        dtype = ctx.dtype
+        grad = _chunk_logits(hidden, weight, bias, dtype).sub_(lse[:, None]).exp_()  # the softmax
+        valid = labels != -100
+        rows = torch.arange(labels.shape[0], device=labels.device)
+        grad[rows, labels.clamp(min=0)] -= valid.to(grad.dtype)
+        grad.mul_(torch.where(valid, grad_loss, 0.0)[:, None])  # ignored tokens get no gradient
+        grad = grad.to(dtype)  # the fp32 buffer goes as the compute-dtype copy is made
+        w = weight.to(dtype)
+        d_hidden = (grad @ w).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        d_weight = (grad.t() @ hidden.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        d_bias = grad.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        return d_hidden, d_weight, d_bias, None
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    b = None if bias is None else bias.to(dtype)
+    return F.linear(hidden.to(dtype), weight.to(dtype), b).float()
+
+
+def _chunk_ce_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     # A plain head runs functionally: the module called once per chunk would confuse per-module hooks (the
-    # memory tracker's); a wrapped head (adapters, quantized) keeps its own forward.
-    logits = (F.linear(hidden, head.weight, head.bias) if type(head) is nn.Linear else head(hidden)).float()
-    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    # memory tracker's); a wrapped head keeps its own forward, recomputed under checkpoint.
+    if type(head) is nn.Linear:
+        if torch.is_grad_enabled():
+            return _LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels)
+        return F.cross_entropy(_chunk_logits(hidden, head.weight, head.bias, _matmul_dtype(hidden, head.weight)),
+                               labels, ignore_index=-100, reduction="sum")
+    if torch.is_grad_enabled():
+        return checkpoint(_head_ce_sum, head, hidden, labels, use_reentrant=False)
+    return _head_ce_sum(head, hidden, labels)
 
 
 class ChunkedLoss:
@@ -123,10 +187,7 @@ class ChunkedLoss:
             return fused
         total = flat.new_zeros((), dtype=torch.float32)
         for h, y in zip(flat.split(self.chunk_tokens), shifted.split(self.chunk_tokens), strict=True):
-            if torch.is_grad_enabled():
-                total = total + checkpoint(_head_ce_sum, head, h, y, use_reentrant=False)
-            else:
-                total = total + _head_ce_sum(head, h, y)
+            total = total + _chunk_ce_sum(head, h, y)
         return total / (shifted != -100).sum().clamp(min=1)
 
 

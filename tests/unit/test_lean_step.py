@@ -66,6 +66,42 @@ def test_chunked_loss_never_holds_full_vocabulary_logits():
     assert max(widest) == 128  # the plain loss does hold all 2 x 64 tokens' logits
 
 
+def test_chunked_loss_backward_holds_one_fp32_chunk_of_logits():
+    """The head's backward turns the recomputed logits into their gradient in place: one fp32 [chunk, vocab]
+    buffer at a time, where autograd through log_softmax holds the log-probabilities and two gradients."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
+    from memfit.memory.tracker import StepTracker
+
+    vocab, chunk = 4096, 128
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
+    model.lm_head.weight.requires_grad_(False)  # frozen, as under LoRA: no weight gradient beside the logits
+    optimizer = make_optimizer(model)
+    init_optimizer_state(optimizer)
+    tracker = StepTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        run_step(model, optimizer, [torch.randint(0, vocab, (2, 128))], "fp32", tracker, None, ChunkedLoss(chunk))
+    head_backward = next(s for s in tracker.segments if s.label.endswith(".bpost"))
+    one_chunk = chunk * vocab * 4
+    assert one_chunk <= head_backward.peak["other"] < 1.5 * one_chunk, head_backward.peak["other"] / one_chunk
+
+
+def test_chunked_loss_under_bf16_autocast_matches_the_plain_loss():
+    model = tiny("llama", layers=1)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "labels": ids}
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        plain, g_plain = _loss_and_grads(model, PlainLoss(), batch)
+        chunked, g_chunked = _loss_and_grads(model, ChunkedLoss(chunk_tokens=16), batch)
+    assert torch.allclose(chunked, plain, atol=1e-2), (float(chunked), float(plain))
+    for name in g_plain:  # the same bf16 matmuls, summed in another order
+        assert torch.allclose(g_chunked[name], g_plain[name], rtol=0.05, atol=2e-3), name
+
+
 def test_auto_loss_chunks_large_vocabularies_in_one_process():
     assert resolve_loss("auto", 128_256) == "chunked"
     assert resolve_loss("auto", 512) == "plain"

@@ -226,3 +226,66 @@ def test_nf4_bytes_equal_what_bitsandbytes_holds_for_a_layer():
     qs = q.weight.quant_state
     held = [q.weight.data, qs.absmax, qs.code, qs.offset, qs.state2.absmax, qs.state2.code]
     assert nf4_bytes(layer.weight.numel()) == sum(t.numel() * t.element_size() for t in held)
+
+
+def test_only_auto_techniques_are_left_to_the_planner():
+    from memfit.memory.search import technique_choices
+
+    assert technique_choices(config.from_dict({"memory": {"loss": "plain"}})) == {}
+    auto = technique_choices(config.from_dict({"memory": {"optimizer_in_backward": "auto"},
+                                               "train": {"max_grad_norm": None}}))
+    assert auto == {"loss": ("plain", "chunked"), "optimizer_in_backward": (False, True)}
+    # A global clip needs every gradient before any step: no step in backward; several ranks: no chunked loss.
+    assert "optimizer_in_backward" not in technique_choices(config.from_dict({"memory": {"optimizer_in_backward":
+                                                                                          "auto"}}))
+    ranks = config.from_dict({"distributed": {"nproc_per_node": 2}})
+    assert "loss" not in technique_choices(ranks)
+
+
+def test_step_in_backward_only_without_accumulation_or_fp16_scaling():
+    from memfit.memory.search import technique_variants
+
+    choices = {"optimizer_in_backward": (False, True)}
+    assert {s.optimizer_in_backward for s in technique_variants(BASE, choices)} == {False, True}
+    for stack in (Stack("fp32", 4, 2, False), Stack("fp16-mixed", 8, 1, False)):
+        assert [s.optimizer_in_backward for s in technique_variants(stack, choices)] == [False]
+
+
+def test_lean_optimizers_are_fallbacks_after_the_configured_one(monkeypatch):
+    import importlib.util
+
+    from memfit.memory.search import candidate_tiers, optimizer_fallbacks
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "bitsandbytes" else real(n, *a))
+    cfg = config.from_dict({})
+    assert optimizer_fallbacks(cfg, PROFILES["cpu"]) == ["adamw", "adamw-8bit"]
+    assert optimizer_fallbacks(cfg, get_profile("a100-40gb", "x")) == ["adamw-fused", "adamw-8bit",
+                                                                      "adamw-cpu-offload"]
+    assert optimizer_fallbacks(config.from_dict({"memory": {"optimizer": "adamw"}}), PROFILES["cpu"]) == ["adamw"]
+    tiers = candidate_tiers(cfg, PROFILES["cpu"])
+    assert [t[0].optimizer for t in tiers] == ["adamw", "adamw-8bit"]  # one LoRA-free tier per optimizer
+    assert {s.loss for s in tiers[0]} == {"plain", "chunked"}
+
+
+def test_plan_table_shows_loss_and_optimizer():
+    from memfit.memory.search import plan_table_markdown
+
+    chunked = Stack("fp32", 8, 1, False, loss="chunked", optimizer="adamw-8bit")
+    p = plan(candidates((BASE,)) + [est(["full"] * N, stack=chunked)], est(["none"] * N).peak_bytes)
+    table = plan_table_markdown(p)
+    assert "loss / optimizer" in table.splitlines()[0]
+    assert "| plain / adamw |" in table and "| chunked / adamw-8bit |" in table
+
+
+def test_max_seq_takes_the_leanest_per_token_stack_the_config_leaves_open():
+    from memfit.memory.search import longest_context_stack
+
+    planned = est(["none"] * 6 + ["full"] * 2)
+    cuda, cpu = get_profile("t4", "x"), PROFILES["cpu"]
+    stack, kinds = longest_context_stack(config.from_dict({}), cuda, planned, 128_256)
+    assert kinds == ("offload",) * N and stack.loss == "chunked"  # auto policy, and auto loss at a large vocab
+    assert longest_context_stack(config.from_dict({}), cuda, planned, 512)[0].loss == "plain"  # as a run has it
+    assert longest_context_stack(config.from_dict({}), cpu, planned, 512)[1] == ("full",) * N  # offload: CUDA only
+    fixed = config.from_dict({"memory": {"policy": "selective", "loss": "plain"}})
+    assert longest_context_stack(fixed, cuda, planned, 128_256) == (planned.stack, planned.kinds)  # as set

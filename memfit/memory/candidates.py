@@ -1,0 +1,93 @@
+"""The planner's candidate stacks: which techniques a config leaves open, and the fallbacks in their order."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Any
+
+from memfit.memory.compose import Stack
+from memfit.memory.devices import DeviceProfile
+
+# Stack fields the planner varies within a tier (not fallbacks: the fastest that fits wins), each with the
+# values the estimator models; a field is varied only where its config value is `auto` (technique_choices).
+# Both leave the numbers of a step as they are: the chunked loss equals the plain one, and the step in
+# backward is the same AdamW step (without clipping). Offload is a checkpointing kind (CUDA targets only).
+TECHNIQUE_CHOICES: dict[str, tuple[Any, ...]] = {"loss": ("plain", "chunked"),
+                                                 "optimizer_in_backward": (False, True)}
+# The AdamW variants that hold less state, tried (when memory.optimizer is auto) only after the configured
+# one fits nowhere in a tier: they change the numbers (8-bit moments) or the speed (the step on the host).
+LEAN_OPTIMIZERS = ("adamw-8bit", "adamw-cpu-offload")
+
+
+def technique_choices(cfg: Any) -> dict[str, tuple[Any, ...]]:
+    """TECHNIQUE_CHOICES for the fields this config leaves to the planner (memory.* set to auto)."""
+    m = cfg.memory
+    out: dict[str, tuple[Any, ...]] = {}
+    if m.loss == "auto" and cfg.distributed.world_size == 1:  # chunked runs in one process only
+        out["loss"] = TECHNIQUE_CHOICES["loss"]
+    # The step in backward needs every gradient of the step at once for a global clip: only without one.
+    if m.optimizer_in_backward == "auto" and cfg.train.max_grad_norm is None and cfg.distributed.world_size == 1:
+        out["optimizer_in_backward"] = TECHNIQUE_CHOICES["optimizer_in_backward"]
+    return out
+
+
+def _allowed(stack: Stack) -> bool:
+    # The step in backward: one micro-batch a step, and no fp16 loss scaler (it checks every gradient first).
+    return not stack.optimizer_in_backward or (stack.grad_accum_steps == 1 and stack.precision != "fp16-mixed")
+
+
+def technique_variants(stack: Stack, choices: dict[str, tuple[Any, ...]] | None = None) -> list[Stack]:
+    """`stack` with every allowed combination of `choices` (the stack itself when there are none)."""
+    choices = TECHNIQUE_CHOICES if choices is None else choices
+    if not choices:
+        return [stack]
+    keys = list(choices)
+    variants = [replace(stack, **dict(zip(keys, values, strict=True)))
+                for values in itertools.product(*choices.values())]
+    return [v for v in variants if _allowed(v)] or [stack]
+
+
+def optimizer_fallbacks(cfg: Any, profile: DeviceProfile) -> list[str]:
+    """memory.optimizer as set, or under auto the default one, then the leaner ones this target can run."""
+    import importlib.util
+
+    from memfit.optim import resolve_optimizer
+
+    if cfg.memory.optimizer != "auto":
+        return [cfg.memory.optimizer]
+    lean = []
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        lean.append("adamw-8bit")
+    if profile.kind == "cuda":  # torchao's CPUOffloadOptimizer: a CUDA device and pinned host memory
+        lean.append("adamw-cpu-offload")
+    return [resolve_optimizer("auto", profile.kind)] + lean
+
+
+def techniques(cfg: Any) -> dict[str, Any]:
+    """The memory.* techniques a stack carries (auto loss and optimizer are resolved by the estimator)."""
+    m = cfg.memory
+    return {"loss": m.loss, "optimizer": m.optimizer, "optimizer_in_backward": m.optimizer_in_backward is True}
+
+
+def configured_stack(cfg: Any, lora: bool | None = None) -> Stack:
+    t = cfg.train
+    if lora is None:
+        lora = cfg.lora.enabled is True
+    return Stack(t.precision, t.micro_batch_size, t.grad_accum_steps, lora,
+                 quantize=cfg.lora.quantize if lora and cfg.lora.enabled is True else "none", **techniques(cfg))
+
+
+def lora_fallbacks(lora_cfg: Any) -> list[tuple[bool, str]]:
+    """(LoRA, quantization) in the order the planner tries them: lora.enabled fixes LoRA; under auto full
+    fine-tuning first, then LoRA on a 16-bit base, then (when lora.quantize allows it) on a 4-bit base."""
+    if lora_cfg.enabled is True:
+        return [(True, lora_cfg.quantize)]
+    if lora_cfg.enabled is False:
+        return [(False, "none")]
+    return [(False, "none"), (True, "none")] + ([(True, lora_cfg.quantize)] if lora_cfg.quantize != "none" else [])
+
+
+def no_bf16_precision(precision: str) -> str:
+    # A target without bf16 (a T4) runs the same mixed-precision recipe in fp16, with the loss scaler.
+    return "fp16-mixed" if precision == "bf16-mixed" else precision
