@@ -81,3 +81,21 @@ def tiny_config(tmp_path: Path, mlflow_uri: str):
         return config.load(REPO / "configs" / "tiny.yaml", tiny_overrides(tmp_path, mlflow_uri, **base))
 
     return make
+
+
+# Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) each worker builds the fixtures its tests use:
+# a module-scoped training run split over two workers would run twice. These groups keep each such module
+# on one worker, and the tests that time themselves or kill processes at moments in one queue of their own.
+_TIMED_GROUP = "timed"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        defs = getattr(item, "_fixtureinfo", None)
+        scopes = {fd[-1].scope for fd in defs.name2fixturedefs.values()} if defs else set()
+        if item.get_closest_marker("timed") or "default_mode_bench" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group(_TIMED_GROUP))
+        elif scopes & {"module", "class"}:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
