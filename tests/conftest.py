@@ -90,6 +90,8 @@ _TIMED_GROUP = "timed"
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return  # `-p no:xdist`: the marker is not registered, and one process needs no groups
     for item in items:
         if item.get_closest_marker("xdist_group"):
             continue
