@@ -31,11 +31,11 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/memfit run $(CONFIG)
 
-# Lint first (under a second): style slips fail CI like a failing test. Two pytest-xdist workers; loadgroup keeps
-# each module with a module-scoped run, and the `timed` tests, on one worker (tests/conftest.py).
+# Lint first (under a second): style slips fail CI like a failing test. Two pytest-xdist workers, a test file
+# the unit of work (the files that kill runs or time themselves share one: TIMED_FILES in tests/conftest.py).
 TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "unit"

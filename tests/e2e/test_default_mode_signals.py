@@ -90,7 +90,6 @@ with machine_slot(sys.argv[1], "memfit-training", 1, run="stand-in", notify=prin
 """
 
 
-@pytest.mark.timed
 def test_slots_signals_and_errors_in_the_default_mode(tmp_path, home):
     from memfit.slots import machine_slot
 

@@ -141,7 +141,6 @@ def _reference_export(root: Path, bucket: str) -> dict[str, torch.Tensor]:
     return load_file(str(Path(exported.safetensors_dir) / "model.safetensors"))
 
 
-@pytest.mark.timed
 @pytest.mark.slow
 def test_killed_preempted_and_resumed_run_equals_an_uninterrupted_one(cli_env, s3_bucket, s3_client, tmp_path):
     from memfit.checkpoints import CheckpointManager

@@ -62,7 +62,6 @@ def test_missing_and_empty_data(tmp_path):
                         "data.path")
 
 
-@pytest.mark.timed
 @pytest.mark.parametrize("what", ["missing data", "empty data", "missing model"])
 def test_run_rejects_bad_inputs_in_one_line_before_prefect_starts(tmp_path, what):
     """What the issue's user typed: `memfit run configs/tiny.yaml --set data.path=/nonexistent/data.txt`."""
