@@ -87,8 +87,8 @@ def tiny_config(tmp_path: Path, mlflow_uri: str):
 
 
 
-# Under pytest-xdist (`make test`: `-n 2 --dist loadfile`) each worker builds the fixtures its tests use, so
-# a test file is the unit of work: a module-scoped training run is never built on both workers. The files
+# Under pytest-xdist (`make test TEST_WORKERS=2`: `-n 2 --dist loadfile`) each worker builds the fixtures its
+# tests use, so a test file is the unit of work: a module-scoped training run is never built on both workers. The files
 # below also share one unit: they kill runs at moments or time themselves (a rerun within 2 minutes, an exit
 # within the SIGTERM grace, an error before start-up ends), and kill_trials and default_mode_resume share one
 # reference run (default_mode_bench). So no two of them share the machine, and that run is made once.
