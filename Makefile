@@ -31,9 +31,13 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/memfit run $(CONFIG)
 
-# Lint first (under a second): style slips fail CI like a failing test.
+# Lint first (under a second): style slips fail CI like a failing test. One pytest process by default;
+# TEST_WORKERS=2 runs two pytest-xdist workers, a test file the unit of work (the files that kill runs or time
+# themselves share one: TIMED_FILES in tests/conftest.py). On the shared 2-core machine two workers did not
+# pay (docs/testing.md has the figures); measure before making it the default.
+TEST_WORKERS ?= 0
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "unit"

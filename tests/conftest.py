@@ -19,6 +19,9 @@ os.environ.update({
     "PREFECT_HOME": str(_HOME / "prefect"),
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     "PREFECT_LOGGING_EXTRA_LOGGERS": "memfit",
+    # `mlflow server`/`mlflow ui` otherwise start a job runner and ~7 huey consumer processes (MLflow's GenAI
+    # jobs, which memfit never submits): ~14 s of CPU per server start (measured), for nothing a test checks.
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
 })
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -81,3 +84,33 @@ def tiny_config(tmp_path: Path, mlflow_uri: str):
         return config.load(REPO / "configs" / "tiny.yaml", tiny_overrides(tmp_path, mlflow_uri, **base))
 
     return make
+
+
+
+# Under pytest-xdist (`make test TEST_WORKERS=2`: `-n 2 --dist loadfile`) each worker builds the fixtures its
+# tests use, so a test file is the unit of work: a module-scoped training run is never built on both workers. The files
+# below also share one unit: they kill runs at moments or time themselves (a rerun within 2 minutes, an exit
+# within the SIGTERM grace, an error before start-up ends), and kill_trials and default_mode_resume share one
+# reference run (default_mode_bench). So no two of them share the machine, and that run is made once.
+# (Not `xdist_group` marks: with pytest 9.2 `--dist loadgroup` silently ignores them, pytest-xdist#1386.)
+TIMED_FILES = frozenset({
+    "tests/e2e/test_kill_trials.py",
+    "tests/e2e/test_default_mode_resume.py",
+    "tests/e2e/test_default_mode_signals.py",
+    "tests/e2e/test_spot_resume.py",
+    "tests/integration/test_cli.py",
+})
+
+
+@pytest.hookimpl(optionalhook=True)  # the hook exists only when pytest-xdist is loaded
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class TimedFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "timed" if path in TIMED_FILES else path
+
+    return TimedFilesTogether(config, log)

@@ -14,7 +14,7 @@ import torch
 
 from memfit.errors import ExportError
 from memfit.release import formats as ex
-from memfit.release.parity import ParityCriteria
+from memfit.release.parity import ParityCriteria, ShapeParity
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")]
 REPO = Path(__file__).resolve().parents[2]
@@ -61,43 +61,6 @@ def perturb_one_weight(src: Path, dst: Path, rel_std: float) -> str:
     return init.name
 
 
-@pytest.fixture(scope="module")
-def exported_100m(tmp_path_factory):
-    model = pretrained_scale_llama(LLAMA_100M)
-    out = tmp_path_factory.mktemp("onnx100m") / "model.onnx"
-    return model, ex.export_onnx(model, out)
-
-
-@pytest.mark.slow
-def test_100m_pretrained_scale_model_passes(exported_100m):
-    model, res = exported_100m
-    assert sum(p.numel() for p in model.parameters()) >= 100e6
-    assert all(p.max_abs_logit >= 0.6 * TARGET_LOGIT for p in res.per_shape)  # really at pretrained scale
-    c = ParityCriteria()
-    for p in res.per_shape:
-        assert p.max_abs_diff <= c.tolerance(p.max_abs_logit) and p.max_kl <= c.max_kl
-    assert sum(p.top1_agree for p in res.per_shape) >= c.min_top1 * sum(p.positions for p in res.per_shape)
-    meta = json.loads(Path(res.metadata_path).read_text())
-    assert meta["parity_criteria"]["rtol"] == c.rtol and len(meta["parity"]) == len(res.shapes)
-
-
-@pytest.mark.slow
-def test_a_perturbed_weight_in_the_graph_fails_with_a_clear_line(exported_100m, tmp_path):
-    model, res = exported_100m
-    broken = tmp_path / "broken.onnx"
-    perturb_one_weight(Path(res.path), broken, rel_std=0.02)
-    with pytest.raises(ExportError) as err:
-        ex.verify_onnx(broken, model)
-    msg = str(err.value)
-    assert "\n" not in msg and msg.startswith(f"ONNX parity failed for {broken}: ")
-    m = re.search(r"max \|onnxruntime - PyTorch\| = ([0-9.e+-]+) at shape \(batch=(\d+), seq=(\d+)\), "
-                  r"([0-9.e+-]+) of max \|logit\| ([0-9.e+-]+), exceeds export.onnx_rtol = ([0-9.e+-]+)", msg)
-    assert m, msg
-    assert float(m.group(4)) > float(m.group(6)) == ParityCriteria().rtol
-    assert (int(m.group(2)), int(m.group(3))) in res.shapes and float(m.group(5)) >= 0.6 * TARGET_LOGIT
-    assert "the ONNX graph computes something else, not float rounding" in msg
-
-
 def test_tiny_model_at_pretrained_logit_scale_passes(tmp_path):
     # The same model at its random-init scale (|logits| < 1) is test_export.py's test_onnx_parity_at_dynamic_shapes.
     res = ex.export_onnx(pretrained_scale_llama(LLAMA_TINY), tmp_path / "tiny.onnx")
@@ -121,12 +84,15 @@ def _sets(root: Path, **extra: object) -> list[str]:
     return out
 
 
-@pytest.mark.slow
-def test_memfit_run_fine_tunes_the_100m_model_and_its_onnx_passes(tmp_path):
-    """Must show: the >= 100 M pretrained-scale model passes ONNX parity through `memfit run`."""
+@pytest.fixture(scope="module")
+def run_100m(tmp_path_factory):
+    """`memfit run` fine-tuning the >= 100 M pretrained-scale model (2 steps), its ONNX export verified on the
+    way: one export of that model for the whole module (each costs ~40 s on 2 cores). Returns the folder it
+    started from, the completed process and the ONNX metadata the export wrote."""
     from memfit.data import synthetic_corpus
     from memfit.modeling import SPECIAL_TOKEN, train_tokenizer
 
+    tmp_path = tmp_path_factory.mktemp("run100m")
     texts = synthetic_corpus(300, seed=1)
     (tmp_path / "data.txt").write_text("\n".join(texts) + "\n")
     folder = tmp_path / "llama-100m"
@@ -144,9 +110,56 @@ def test_memfit_run_fine_tunes_the_100m_model_and_its_onnx_passes(tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["onnx_error"] is None and Path(summary["onnx_path"]).is_file()
     meta = json.loads(Path(summary["onnx_path"] + ex.ONNX_METADATA_SUFFIX).read_text())
+    return folder, summary, meta
+
+
+def _exported_model(summary: dict):
+    """The fine-tuned model as `memfit run` exported it (the weights its ONNX graph was checked against)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(summary["safetensors_dir"]).eval()
+
+
+@pytest.mark.slow
+def test_memfit_run_fine_tunes_the_100m_model_and_its_onnx_passes(run_100m):
+    """Must show: the >= 100 M pretrained-scale model passes ONNX parity through `memfit run`."""
+    folder, _summary, meta = run_100m
     assert meta["metadata"]["model_source"] == str(folder)
     assert min(p["max_abs_logit"] for p in meta["parity"]) >= 0.6 * TARGET_LOGIT  # still pretrained scale
     assert max(p["relative"] for p in meta["parity"]) <= meta["parity_criteria"]["rtol"]
+
+
+@pytest.mark.slow
+def test_100m_pretrained_scale_model_passes(run_100m):
+    _folder, summary, meta = run_100m
+    model = _exported_model(summary)
+    assert sum(p.numel() for p in model.parameters()) >= 100e6
+    per_shape = [ShapeParity(**p) for p in meta["parity"]]
+    assert [(p.batch, p.seq) for p in per_shape] == [tuple(s) for s in ex.DEFAULT_SHAPES]
+    assert all(p.max_abs_logit >= 0.6 * TARGET_LOGIT for p in per_shape)  # really at pretrained scale
+    c = ParityCriteria()
+    for p in per_shape:
+        assert p.max_abs_diff <= c.tolerance(p.max_abs_logit) and p.max_kl <= c.max_kl
+    assert sum(p.top1_agree for p in per_shape) >= c.min_top1 * sum(p.positions for p in per_shape)
+    assert meta["parity_criteria"]["rtol"] == c.rtol and len(meta["parity"]) == len(ex.DEFAULT_SHAPES)
+
+
+@pytest.mark.slow
+def test_a_perturbed_weight_in_the_graph_fails_with_a_clear_line(run_100m, tmp_path):
+    _folder, summary, _meta = run_100m
+    model = _exported_model(summary)
+    broken = tmp_path / "broken.onnx"
+    perturb_one_weight(Path(summary["onnx_path"]), broken, rel_std=0.02)
+    with pytest.raises(ExportError) as err:
+        ex.verify_onnx(broken, model)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"ONNX parity failed for {broken}: ")
+    m = re.search(r"max \|onnxruntime - PyTorch\| = ([0-9.e+-]+) at shape \(batch=(\d+), seq=(\d+)\), "
+                  r"([0-9.e+-]+) of max \|logit\| ([0-9.e+-]+), exceeds export.onnx_rtol = ([0-9.e+-]+)", msg)
+    assert m, msg
+    assert float(m.group(4)) > float(m.group(6)) == ParityCriteria().rtol
+    assert (int(m.group(2)), int(m.group(3))) in ex.DEFAULT_SHAPES and float(m.group(5)) >= 0.6 * TARGET_LOGIT
+    assert "the ONNX graph computes something else, not float rounding" in msg
 
 
 @pytest.mark.slow
