@@ -166,6 +166,13 @@ def run_hf(cfg, variant: str, fused: bool) -> dict:
 
 def run_memfit(cfg, variant: str, fused: bool) -> dict:
     """memfit's Trainer, with timers around the parts of its loop (the breakdown); the loop itself as shipped."""
+    try:  # as `memfit run` does: MLflow in its own process, started before torch imports
+        from memfit.tracking.process import prestart
+
+        prestart(cfg.tracking)
+        own_process = {"prestarted": True}
+    except ImportError:  # a `--before` tree from before the tracking process
+        own_process = {}
     import torch
 
     from memfit.memory.monitor import MemoryMonitor
@@ -214,7 +221,7 @@ def run_memfit(cfg, variant: str, fused: bool) -> dict:
         counted.append(len(spent["step"]) + 1)
         return enter(self)
     LiveBytes.__enter__ = counting
-    tracker = make_tracker(cfg.tracking)
+    tracker = make_tracker(cfg.tracking, **own_process)
     tracker.flush = timer(tracker.flush, "flush")
     tracker.start_run("memfit")
     manager = checkpoint_manager(cfg)

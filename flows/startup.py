@@ -75,8 +75,10 @@ def _tracking_store(cfg: Any) -> bool:
     """A local SQLite store: its tables (created on first use, ≈ 3 s) and MLflow's client modules. The store
     object is cached by MLflow, so phase 3's tracker opens the same one. Remote stores are left alone (the
     network is phase 3's, with its retries and its message)."""
-    if cfg.tracking.backend != "mlflow":
-        return False
+    from memfit.tracking.process import prestarted
+
+    if cfg.tracking.backend != "mlflow" or prestarted(cfg.tracking):
+        return False  # the tracking process opens it, on the other core (memfit/tracking/process.py)
     uri = cfg.tracking.resolved_uri()
     if not uri.startswith("sqlite:///"):
         return False

@@ -92,6 +92,10 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
         # No PREFECT_API_URL: the server boots in a process of its own from here on, while this one imports
         # torch, the flow and Prefect (nothing heavy is imported before this line; tests check it).
         server = start_ephemeral_server()
+        from memfit.tracking.process import prestart
+
+        if cfg.distributed.world_size == 1:  # torchrun's ranks log from the launcher and rank 0, as before
+            prestart(cfg.tracking)  # MLflow's imports and store set-up, in a process beside the server's
         from flows.console import quiet_expected_errors
         from flows.finetune import finetune
         from flows.startup import warm_up

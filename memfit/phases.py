@@ -177,7 +177,7 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
     inputs = load_inputs(cfg)
     data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
     model = build_training_model(cfg, inputs.model, plan)
-    tracker = make_tracker(cfg.tracking)
+    tracker = make_tracker(cfg.tracking, prestarted=True)
     run_id = tracker.start_run(cfg.run.name, run_id=resume.mlflow_run_id, tags=run_tags(device))
     manager = checkpoint_manager(cfg)
     try:

@@ -10,47 +10,35 @@ import threading
 from typing import Any
 
 # Runs in its own small process and session. memfit writes "PID CREATE_TIME" lines to its stdin, one per process
-# to end with memfit. When memfit dies (SIGTERM from the kernel through PR_SET_PDEATHSIG, or its stdin reaching
-# EOF as the kernel closes memfit's files) or exits normally, the reaper ends each of them that is still the
-# process it was (a PID can be reused once the target is gone).
+# to end with memfit. When memfit ends, however it ends (SIGKILL included), the kernel closes memfit's end of
+# the pipe: the reaper reads to that EOF, so it knows every process it was told of, then ends each that is
+# still the process it was (a PID can be reused once the target is gone). SIGTERM (PR_SET_PDEATHSIG, a
+# stray kill) only interrupts the read; acting on it at once could miss a line still in the pipe, which
+# left a server running when memfit died within a second of starting it.
 _REAPER = """
-import os, signal, sys, threading
+import os, signal, sys
+signal.signal(signal.SIGTERM, lambda *_: None)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked by memfit from the fork to here
 import psutil
-parent = int(sys.argv[1])
-targets, ending = [], []
-def end(*_):
-    # No lock: the signal handler can run inside end() on the main thread (it held a lock there once, and
-    # deadlocked); the first caller ends everything and leaves, any later one returns at once.
-    if ending:
-        return
-    ending.append(True)
-    procs = []
-    for pid, started in list(targets):
-        try:
-            p = psutil.Process(pid)
-            if abs(p.create_time() - started) < 0.01:
-                p.terminate()
-                procs.append(p)
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=5)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    os._exit(0)
-signal.signal(signal.SIGTERM, end)
-def read():
-    for line in sys.stdin:
-        pid, started = line.split()
-        targets.append((int(pid), float(started)))
-    end()  # EOF: memfit is gone
-threading.Thread(target=read, daemon=True).start()
-if os.getppid() != parent:  # memfit died before the kernel could be told to signal this process
-    end()
-while True:
-    signal.pause()
+targets = []
+for line in sys.stdin:
+    pid, started = line.split()
+    targets.append((int(pid), float(started)))
+procs = []
+for pid, started in targets:
+    try:
+        p = psutil.Process(pid)
+        if abs(p.create_time() - started) < 0.01:
+            p.terminate()
+            procs.append(p)
+    except psutil.Error:
+        pass
+_, alive = psutil.wait_procs(procs, timeout=5)
+for p in alive:
+    try:
+        p.kill()
+    except psutil.Error:
+        pass
 """
 
 
@@ -78,16 +66,19 @@ class Reaper:
     """A small process that ends the processes it is told of when this one ends, even on SIGKILL (Linux)."""
 
     def __init__(self) -> None:
-        import os
-
-        hook = die_with_parent_hook()
         self.proc: subprocess.Popen[bytes] | None = None
-        if hook is None:
+        if sys.platform != "linux":
             return
         # A session of its own: a SIGKILL to memfit's whole process group must leave the reaper alive to act.
-        # Start it from the main thread: the kernel signals the child when the *thread* that started it ends.
-        self.proc = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid())], stdin=subprocess.PIPE,
-                                     preexec_fn=hook, start_new_session=True)  # noqa: PLW1509
+        # SIGTERM is blocked from the fork until the reaper has its handler (the child inherits the mask), so
+        # that no SIGTERM in between can end it before it has done its work.
+        held = {signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid())], stdin=subprocess.PIPE,
+                                         start_new_session=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
         _reapers.append(self.proc)
 
     def watch(self, pid: int) -> None:

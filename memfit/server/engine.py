@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.server.backends import Sampling
+from memfit.server.background import BackgroundLoop
 from memfit.server.protocol import RequestError
 
 log = logging.getLogger("memfit.server")
@@ -45,23 +45,14 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-class Engine:
+class Engine(BackgroundLoop):
     """Jobs go into a bounded queue; one thread takes up to max_batch of them (same sampling) and generates."""
 
     def __init__(self, holder: Any, max_batch: int, max_queue: int, wait_ms: float, metrics: Any = None):
+        super().__init__("memfit-generate", join_s=30)
         self.holder, self.max_batch, self.wait_s, self.metrics = holder, max_batch, wait_ms / 1000, metrics
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.held: deque[Job] = deque()  # taken from the queue but not batchable with the last batch
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="memfit-generate", daemon=True)
-
-    def start(self) -> Engine:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=30)
 
     def depth(self) -> int:
         return self.queue.qsize() + len(self.held)

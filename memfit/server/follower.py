@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from memfit.server.background import BackgroundLoop
+
 log = logging.getLogger("memfit.server")
 
 
@@ -27,24 +29,15 @@ class Holder:
         log.info("now serving %s (was %s)", new.model_id, old.model_id)
 
 
-class Follower:
+class Follower(BackgroundLoop):
     """Polls the alias every `poll_s`; a new version is fetched, verified, loaded and smoke-checked off the
     request path, then swapped in. A version that fails is reported once and not retried until the alias moves."""
 
     def __init__(self, holder: Holder, source: Any, load: Any, poll_s: float, metrics: Any = None):
+        super().__init__("memfit-follow-alias", join_s=10)
         self.holder, self.source, self.load, self.poll_s, self.metrics = holder, source, load, poll_s, metrics
         self.failed: str | None = None
         self.lock = threading.Lock()  # the poll thread and POST /admin/refresh never load the same version twice
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="memfit-follow-alias", daemon=True)
-
-    def start(self) -> Follower:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=10)
 
     def _run(self) -> None:
         while not self.stopping.wait(self.poll_s):

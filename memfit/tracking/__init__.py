@@ -11,17 +11,23 @@ from memfit.tracking.null import NullTracker
 log = logging.getLogger("memfit.tracking")
 
 
-def make_tracker(tracking_cfg) -> Tracker:
-    """The configured tracker; an unreachable store fails (tracking.fail_if_unreachable) or warns and goes null."""
+def make_tracker(tracking_cfg, prestarted: bool = False) -> Tracker:
+    """The configured tracker; an unreachable store fails (tracking.fail_if_unreachable) or warns and goes null.
+
+    `prestarted`: use the tracking process `memfit run` started for this config, if there is one
+    (tracking/process.py); phase 3 does, so that MLflow never loads into the training process.
+    """
     if tracking_cfg.backend == "null":
         return NullTracker()
-    from memfit.tracking.mlflow_tracker import MLflowTracker
+    from memfit.tracking.process import take, tracker_kwargs
 
     try:
-        return MLflowTracker(tracking_cfg.resolved_uri(), tracking_cfg.experiment,
-                             system_metrics=tracking_cfg.system_metrics,
-                             system_metrics_interval_s=tracking_cfg.system_metrics_interval_s,
-                             missing_run=tracking_cfg.missing_run)
+        tracker = take(tracking_cfg) if prestarted else None
+        if tracker is not None:
+            return tracker
+        from memfit.tracking.mlflow_tracker import MLflowTracker
+
+        return MLflowTracker(**tracker_kwargs(tracking_cfg))
     except TrackingError as err:
         if tracking_cfg.fail_if_unreachable:
             raise

@@ -1,4 +1,5 @@
-"""`memfit run` starts Prefect's server first, so that it boots while torch, the flow and Prefect import."""
+"""`memfit run` starts Prefect's server and the MLflow tracking process first, so that they boot on the other
+core while torch, the flow and Prefect import."""
 
 from __future__ import annotations
 
@@ -6,26 +7,32 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "mlflow", "prefect", "onnx")
 
-# Runs `memfit run` as the console script does, with subprocess.Popen watched: when the uvicorn server is
-# started, print which heavy packages this process had imported by then, and leave (nothing else is needed).
+# Runs `memfit run` as the console script does, with subprocess.Popen watched: when the uvicorn server and
+# then the tracking process are started, print which heavy packages this process had imported by then; leave
+# at the second (nothing else is needed; the reaper ends the server with this process).
 SPY = """
 import json, os, subprocess, sys
 real, watched = subprocess.Popen, json.loads(sys.argv[1])
 class Spy(real):
     def __init__(self, args, *rest, **kwargs):
-        if any("uvicorn" in str(a) for a in args):
+        tracking = any("memfit.tracking.child" in str(a) for a in args)
+        if tracking or any("uvicorn" in str(a) for a in args):
             heavy = sorted(m for m in watched if m in sys.modules)
-            print("AT-SERVER-START", json.dumps({"heavy": heavy, "env": kwargs.get("env", {}).get(
-                "PREFECT__SERVER_EPHEMERAL"), "new_session": kwargs.get("start_new_session")}), flush=True)
-            os._exit(0)
+            print("AT-TRACKING-START" if tracking else "AT-SERVER-START", json.dumps({"heavy": heavy,
+                  "env": kwargs.get("env", {}).get("PREFECT__SERVER_EPHEMERAL"),
+                  "new_session": kwargs.get("start_new_session")}), flush=True)
+            if tracking:
+                os._exit(0)
         super().__init__(args, *rest, **kwargs)
 subprocess.Popen = Spy
 sys.argv = ["memfit", "run", *sys.argv[2:]]
@@ -48,3 +55,25 @@ def test_server_process_starts_before_the_heavy_imports(tmp_path):
     # Imported before the server's Popen, these would run before it boots instead of beside it.
     assert seen["heavy"] == [], seen
     assert seen["env"] == "1" and seen["new_session"] is True  # Prefect's ephemeral server, in its own session
+    tracking = [ln for ln in proc.stdout.splitlines() if ln.startswith("AT-TRACKING-START ")]
+    assert tracking, f"no tracking process was started (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    seen = json.loads(tracking[0].split(" ", 1)[1])
+    # MLflow loads in that process, beside the server, never in this one before the first training step.
+    assert seen["heavy"] == [] and seen["new_session"] is True, seen
+    # memfit left a split second after starting its server (as a SIGKILL at start-up would): the reaper still
+    # ends the server (it once left before reading which process to end, and the server ran on).
+    deadline = time.monotonic() + 20
+    while (left := _servers_of(tmp_path / "prefect")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"Prefect server(s) {left} outlived memfit"
+
+
+def _servers_of(home: Path) -> list[int]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if "uvicorn" in " ".join(p.cmdline()) and p.environ().get("PREFECT_HOME") == str(home):
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
