@@ -75,7 +75,7 @@ class Reaper:
         held = {signal.SIGTERM}
         signal.pthread_sigmask(signal.SIG_BLOCK, held)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid())], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, "-c", _REAPER], stdin=subprocess.PIPE,
                                          start_new_session=True)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, held)

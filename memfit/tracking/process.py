@@ -156,8 +156,7 @@ class ProcessTracker:
         return self.run_id
 
     def log_params(self, params: dict[str, Any]) -> None:
-        self._call("log_params", {k: str(v) if not isinstance(v, (bool, int, float, type(None))) else v
-                                  for k, v in params.items()})
+        self._call("log_params", params)  # values the JSON line cannot carry go as str(), as MLflow logs them
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         t0 = time.perf_counter()
@@ -226,26 +225,24 @@ class ProcessTracker:
         return f"MLflow at {scrub(self.tracking_uri)}, experiment {self.experiment!r} (tracking process)"
 
 
+def _key(tracking_cfg: Any) -> str | None:
+    """Which prestarted process serves this config; None where tracking has no MLflow."""
+    return json.dumps(tracker_kwargs(tracking_cfg), sort_keys=True) if tracking_cfg.backend == "mlflow" else None
+
+
 def prestart(tracking_cfg: Any) -> None:
     """Start the tracking process for this config now (a no-op without MLflow or when already started)."""
-    if tracking_cfg.backend != "mlflow":
-        return
-    kwargs = tracker_kwargs(tracking_cfg)
-    key = json.dumps(kwargs, sort_keys=True)
-    if key not in _prestarted:
-        _prestarted[key] = TrackingProcess(kwargs)
+    key = _key(tracking_cfg)
+    if key is not None and key not in _prestarted:
+        _prestarted[key] = TrackingProcess(tracker_kwargs(tracking_cfg))
 
 
 def prestarted(tracking_cfg: Any) -> bool:
     """Whether a tracking process for this config waits to be taken."""
-    return tracking_cfg.backend == "mlflow" and json.dumps(tracker_kwargs(tracking_cfg), sort_keys=True) in _prestarted
+    return _key(tracking_cfg) in _prestarted
 
 
 def take(tracking_cfg: Any) -> ProcessTracker | None:
     """The prestarted tracker for this config, once (TrackingError if it could not open the store); else None."""
-    if tracking_cfg.backend != "mlflow":
-        return None
-    child = _prestarted.pop(json.dumps(tracker_kwargs(tracking_cfg), sort_keys=True), None)
-    if child is None:
-        return None
-    return ProcessTracker(child)
+    child = _prestarted.pop(_key(tracking_cfg), None)
+    return ProcessTracker(child) if child is not None else None
