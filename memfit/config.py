@@ -167,6 +167,12 @@ class MemoryConfig(_Section):
         "null (a global clip needs every gradient first) and no fp16-mixed; one process only. With "
         "adamw-cpu-offload each gradient moves to host memory as it is accumulated and the CPU steps after "
         "backward. auto: off unless the planner turns it on.")
+    lean_layers: bool | Literal["auto"] = Field(
+        "auto", description="SwiGLU MLPs and Llama-style RMSNorms (Llama, Mistral, Qwen2/3...) as memory-lean "
+        "autograd functions: the MLP saves its two projections, not the activation too, and its backward writes "
+        "the gradients into them; the norm saves its 16-bit input, not an fp32 copy. Same math; layers of "
+        "other shapes are left as they are. auto: the planner's fallback, tried in a tier that fits nowhere without "
+        "them (memory.policy auto, or lora.enabled auto); off under a fixed policy.")
 
     @field_validator("device")
     @classmethod

@@ -114,6 +114,7 @@ def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
                       description=policy.describe(), block_kinds=list(chosen.kinds), lora=chosen.stack.lora,
                       quantize=chosen.stack.quantize, loss=chosen.stack.loss, optimizer=chosen.stack.optimizer,
                       optimizer_in_backward=chosen.stack.optimizer_in_backward,
+                      lean_layers=chosen.stack.lean_layers,
                       fits=plan.fits, predicted_peak_bytes=chosen.peak_bytes,
                       predicted_overhead=row["predicted_overhead"], budget_bytes=budget, budget_source=source,
                       alternatives=[plan.row(e) for e in plan.table if e is not chosen],

@@ -38,6 +38,7 @@ class PlanReport(_Report):
     loss: str | None = Field(None, description="memory.loss as planned: plain or chunked (None: as configured).")
     optimizer: str | None = Field(None, description="memory.optimizer as planned (None: as configured).")
     optimizer_in_backward: bool | None = Field(None, description="memory.optimizer_in_backward as planned.")
+    lean_layers: bool | None = Field(None, description="memory.lean_layers as planned.")
     fits: bool | None = None
     predicted_peak_bytes: int | None = None
     predicted_overhead: float | None = Field(None, description="Predicted step time / no checkpointing - 1.")

@@ -102,7 +102,8 @@ def planned_config(cfg: MemfitConfig, plan: PlanReport) -> MemfitConfig:
     train = cfg.train.model_copy(update={"precision": plan.precision, "grad_accum_steps": plan.grad_accum_steps})
     lora = cfg.lora.model_copy(update={"enabled": plan.lora, "quantize": plan.quantize if plan.lora else "none"})
     # The loss and AdamW variant the planner chose among (memory.* auto); a report without them keeps the config's.
-    chosen = {"loss": plan.loss, "optimizer": plan.optimizer, "optimizer_in_backward": plan.optimizer_in_backward}
+    chosen = {"loss": plan.loss, "optimizer": plan.optimizer, "optimizer_in_backward": plan.optimizer_in_backward,
+              "lean_layers": plan.lean_layers}
     if cfg.distributed.world_size > 1:
         chosen["loss"] = None  # several ranks run the model's own loss (auto resolves it so)
     memory = cfg.memory.model_copy(update={k: v for k, v in chosen.items() if v is not None})
@@ -111,12 +112,16 @@ def planned_config(cfg: MemfitConfig, plan: PlanReport) -> MemfitConfig:
 
 
 def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanReport) -> torch.nn.Module:
-    """LoRA adapters (on a 16-bit or 4-bit frozen base) when planned, then the planned gradient-checkpointing
-    policy (its one entry point)."""
+    """LoRA adapters (on a 16-bit or 4-bit frozen base) when planned, the lean SwiGLU/RMSNorm layers when
+    planned or set, then the planned gradient-checkpointing policy (its one entry point)."""
     if plan.lora:
         from memfit.lora import prepare_lora_model
 
         model = prepare_lora_model(model, cfg.lora, plan.precision, quantize=plan.quantize, seed=cfg.train.seed)
+    if plan.lean_layers or (plan.lean_layers is None and cfg.memory.lean_layers is True):
+        from memfit.memory.lean_layers import apply_lean_layers
+
+        log.info("memory.lean_layers: %s", apply_lean_layers(model))
     kinds = plan.block_kinds if plan.policy == "mixed" else None
     apply_policy(model, plan_policy(cfg, plan.policy, plan.every_k, kinds))
     return model

@@ -48,6 +48,13 @@ def technique_variants(stack: Stack, choices: dict[str, tuple[Any, ...]] | None 
     return [v for v in variants if _allowed(v)] or [stack]
 
 
+def lean_layer_fallbacks(cfg: Any) -> list[bool]:
+    """memory.lean_layers as set, or under auto without them first, then with them: they keep the numbers but add
+    a few in-place ops per layer, and trying them only where a tier fits nowhere without keeps the search small."""
+    m = cfg.memory.lean_layers
+    return [False, True] if m == "auto" else [m]
+
+
 def optimizer_fallbacks(cfg: Any, profile: DeviceProfile) -> list[str]:
     """memory.optimizer as set, or under auto the default one, then the leaner ones this target can run."""
     import importlib.util
@@ -67,7 +74,8 @@ def optimizer_fallbacks(cfg: Any, profile: DeviceProfile) -> list[str]:
 def techniques(cfg: Any) -> dict[str, Any]:
     """The memory.* techniques a stack carries (auto loss and optimizer are resolved by the estimator)."""
     m = cfg.memory
-    return {"loss": m.loss, "optimizer": m.optimizer, "optimizer_in_backward": m.optimizer_in_backward is True}
+    return {"loss": m.loss, "optimizer": m.optimizer, "optimizer_in_backward": m.optimizer_in_backward is True,
+            "lean_layers": m.lean_layers is True}
 
 
 def configured_stack(cfg: Any, lora: bool | None = None) -> Stack:

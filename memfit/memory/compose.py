@@ -23,12 +23,14 @@ class Stack:
     loss: str = "plain"  # memory.loss: plain | chunked
     optimizer: str = "adamw"  # memory.optimizer: adamw | adamw-fused | adamw-8bit | adamw-cpu-offload
     optimizer_in_backward: bool = False
+    lean_layers: bool = False  # memory.lean_layers: SwiGLU MLPs and RMSNorms saving less (memfit.memory.lean_layers)
 
     def label(self) -> str:
         extras = [x for x in (self.quantize.upper() if self.quantize != "none" else "",
                               "chunked loss" if self.loss == "chunked" else "",
                               self.optimizer if self.optimizer != "adamw" else "",
-                              "step in backward" if self.optimizer_in_backward else "") if x]
+                              "step in backward" if self.optimizer_in_backward else "",
+                              "lean layers" if self.lean_layers else "") if x]
         return (f"{self.precision}, micro-batch {self.micro_batch_size}x{self.grad_accum_steps}"
                 + ((", QLoRA" if self.quantize != "none" else ", LoRA") if self.lora else "")
                 + "".join(f", {x}" for x in extras if x != self.quantize.upper()))

@@ -61,8 +61,8 @@ def _with_depth(hf_config: Any, n: int) -> Any:
     return c
 
 
-def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any, quantize: str = "none"
-               ) -> torch.nn.Module:
+def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any, quantize: str = "none",
+               lean_layers: bool = False) -> torch.nn.Module:
     """The model with fake weights (shapes and dtypes only), as training would hold it.
 
     Built on the meta device (no init, no memory), then made the training model there by the trainer's own
@@ -82,6 +82,10 @@ def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any, 
         model = prepare_lora_model(model, lora_cfg, precision, quantize=quantize, fake=True)
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # the trainer casts the adapters too
+    if lean_layers:
+        from memfit.memory.lean_layers import apply_lean_layers
+
+        apply_lean_layers(model)
     _meta_to_fake(model, mode)
     model.train()
     return model
@@ -162,7 +166,8 @@ class Estimator:
     # -- tracing -----------------------------------------------------------------------------------------
     def _build(self, n: int, stack: Stack, mode: Any) -> torch.nn.Module:
         return fake_model(_with_depth(self.hf_config, n), stack.precision,
-                          self.lora_cfg if stack.lora else None, mode, stack.quantize if stack.lora else "none")
+                          self.lora_cfg if stack.lora else None, mode, stack.quantize if stack.lora else "none",
+                          stack.lean_layers)
 
     def at_seq_len(self, seq_len: int) -> Estimator:
         """The same model and target at another sequence length (the weights' and optimizer's trace reused)."""
@@ -243,7 +248,7 @@ class Estimator:
 
     def _traced(self, stack: Stack, kind: str, micro_batch: int, n_micro: int) -> KindTrace:
         # The optimizer runs inside backward only when it steps there.
-        key = (stack.precision, stack.lora, stack.quantize, kind, micro_batch, n_micro, stack.loss,
+        key = (stack.precision, stack.lora, stack.quantize, kind, micro_batch, n_micro, stack.loss, stack.lean_layers,
                stack.optimizer_in_backward, stack.optimizer if stack.optimizer_in_backward else None)
         if key not in self._traces:
             t0 = time.perf_counter()
@@ -329,7 +334,7 @@ def trace_whole_step(hf_config: Any, stack: Stack, kinds: Sequence[str], seq_len
     """The whole-depth step traced in one go (no composition): slower, used to check the composition."""
     with fake_tracing() as mode:
         model = fake_model(hf_config, stack.precision, lora_cfg if stack.lora else None, mode,
-                           stack.quantize if stack.lora else "none")
+                           stack.quantize if stack.lora else "none", stack.lean_layers)
         blocks = find_blocks(model, block_class)
         token = OFFLOAD_EMULATION.set(("offload" in kinds) and (lambda t: t, lambda t: t) or None)
         try:

@@ -10,6 +10,7 @@ from typing import Any
 from memfit.errors import ConfigError
 from memfit.memory.candidates import (
     configured_stack,
+    lean_layer_fallbacks,
     lora_fallbacks,
     no_bf16_precision,
     optimizer_fallbacks,
@@ -95,7 +96,8 @@ def _micro_batches(cfg: Any) -> list[int]:
 def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:
     """Stacks to try, tier by tier: the configured precision without LoRA first, then LoRA, then a 4-bit
     base, then other precisions, each with the configured optimizer and then the leaner ones
-    (optimizer_fallbacks); within a tier every micro-batch and every technique_choices variant."""
+    (optimizer_fallbacks), each without and then with the lean layers (lean_layer_fallbacks); within a tier
+    every micro-batch and every technique_choices variant."""
     t = cfg.train
     precisions = [t.precision] + [p for p in cfg.memory.allow_precisions if p != t.precision]
     precisions = [p for p in precisions if profile.bf16 or not p.startswith("bf16")] or [no_bf16_precision(t.precision)]
@@ -104,10 +106,11 @@ def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:
     for lora, quantize in lora_fallbacks(cfg.lora):
         for precision in precisions:
             for optimizer in optimizer_fallbacks(cfg, profile):
-                base = {**techniques(cfg), "optimizer": optimizer}
-                tiers.append([v for m in _micro_batches(cfg)
-                              for v in technique_variants(Stack(precision, m, t.batch_size // m, lora, quantize,
-                                                                **base), choices)])
+                for lean in lean_layer_fallbacks(cfg):
+                    base = {**techniques(cfg), "optimizer": optimizer, "lean_layers": lean}
+                    tiers.append([v for m in _micro_batches(cfg)
+                                  for v in technique_variants(Stack(precision, m, t.batch_size // m, lora, quantize,
+                                                                    **base), choices)])
     return tiers
 
 
@@ -145,7 +148,8 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         kinds = ("none", "selective", "full") + (("offload",) if profile.kind == "cuda" else ())
         every = assignments(n, kinds)
     tiers = candidate_tiers(cfg, profile)
-    if budget is not None and baseline.weight_bytes > budget and len(tiers) == 1:
+    holds = {(s.precision, s.lora, s.quantize, s.optimizer) for tier in tiers for s in tier}
+    if budget is not None and baseline.weight_bytes > budget and len(holds) == 1:
         # The weights alone exceed the budget and no fallback holds them smaller: nothing can fit.
         return choose([baseline], budget, configured=configured, baseline=baseline,
                       safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=fixed_policy)
@@ -208,7 +212,8 @@ def plan_table_markdown(plan: Plan) -> str:
 
 
 def _technique_cell(stack: Stack) -> str:
-    return f"{stack.loss} / {stack.optimizer}" + (", step in backward" if stack.optimizer_in_backward else "")
+    return (f"{stack.loss} / {stack.optimizer}" + (", step in backward" if stack.optimizer_in_backward else "")
+            + (", lean layers" if stack.lean_layers else ""))
 
 
 def _lora_cell(stack: Stack) -> str:
@@ -279,6 +284,8 @@ def longest_context_stack(cfg: Any, profile: DeviceProfile, planned: Estimate, v
         kinds = ("offload" if profile.kind == "cuda" else "full",) * len(kinds)
     if cfg.memory.loss == "auto":
         stack = replace(stack, loss=resolve_loss("auto", vocab_size, cfg.distributed.world_size))
+    if cfg.memory.lean_layers == "auto":
+        stack = replace(stack, lean_layers=True)
     return stack, kinds
 
 

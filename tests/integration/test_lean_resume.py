@@ -1,4 +1,4 @@
-"""Each optimizer option, the chunked loss and dropout resume bitwise: SIGKILLed after a training checkpoint, rerun."""
+"""Each optimizer option, the chunked loss, lean layers and dropout resume bitwise: SIGKILLed after a save, rerun."""
 
 from __future__ import annotations
 
@@ -31,12 +31,14 @@ OPTIONS = {
     "chunked-loss": {"memory.loss": "chunked", "memory.loss_chunk_tokens": 100},
     # Dropout draws from torch's RNG every step: the resumed run matches only if the RNG state is restored.
     "lora-dropout": {"lora.enabled": "true", "lora.dropout": 0.1},
+    "lean-layers": {"memory.lean_layers": "true"},
     "adamw-cpu-offload": {"memory.optimizer": "adamw-cpu-offload", "train.device": "cuda"},
 }
 NEEDS = {"adamw-8bit": "bitsandbytes", "adamw-cpu-offload": "torchao"}
 # What each option's own code records when the run goes through it (not only that it was configured).
 MARKER = {"adamw": "AdamW", "adamw-fused": "fused", "adamw-8bit": "AdamW8bit", "step-in-backward": "hook",
-          "chunked-loss": "chunked", "lora-dropout": "AdamW", "adamw-cpu-offload": "CPUOffloadOptimizer"}
+          "chunked-loss": "chunked", "lora-dropout": "AdamW", "lean-layers": "lean",
+          "adamw-cpu-offload": "CPUOffloadOptimizer"}
 ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="adamw-cpu-offload needs CUDA")]
 
 
@@ -54,10 +56,12 @@ def _overrides(root: Path, option: str) -> list[str]:
 
 def _spy(monkeypatch) -> list[str]:
     from memfit import optim
+    from memfit.memory import lean_layers
     from memfit.training import loss
 
     used: list[str] = []
     step, call, make = optim.StepInBackward._step, loss.ChunkedLoss.__call__, optim.make_adamw
+    mlp = lean_layers.lean_mlp_forward
 
     def spy_step(self, p):
         used.append("hook")
@@ -72,6 +76,12 @@ def _spy(monkeypatch) -> list[str]:
         used.append("fused" if any(g.get("fused") for g in opt.param_groups) else type(opt).__name__)
         return opt
 
+    def spy_mlp(self, x):
+        if not used or used[-1] != "lean":
+            used.append("lean")
+        return mlp(self, x)
+
+    monkeypatch.setattr(lean_layers, "lean_mlp_forward", spy_mlp)
     monkeypatch.setattr(optim.StepInBackward, "_step", spy_step)
     monkeypatch.setattr(loss.ChunkedLoss, "__call__", spy_call)
     monkeypatch.setattr(optim, "make_adamw", spy_make)

@@ -55,6 +55,21 @@ def test_plan_between_full_and_none_fits_with_checkpointing():
     assert all(a["predicted_peak_bytes"] > plan["limit_bytes"] for a in plan["alternatives"] if not a["fits"])
 
 
+def test_plan_falls_back_to_lean_layers_only_where_nothing_fits_without_them():
+    fixed = ["--set", "memory.allow_smaller_micro_batch=false"]
+    plain = _json(memfit("estimate", TINY, "--policy", "full", "--json", *fixed))
+    lean = _json(memfit("estimate", TINY, "--policy", "full", "--json", *fixed, "--set", "memory.lean_layers=true"))
+    assert lean["total_bytes"] < 0.95 * plain["total_bytes"]  # silu(gate) no longer saved in each block
+    roomy = _json(memfit("plan", TINY, "--json", *fixed, "--budget-gb", f"{2 * plain['total_bytes'] / 1e9:.9f}"))
+    assert roomy["fits"] and roomy["lean_layers"] is False  # where the model's own layers fit, they train
+    budget = (plain["total_bytes"] + lean["total_bytes"]) / 2 / 0.95 / 1e9  # above lean, below plain after the margin
+    tight = _json(memfit("plan", TINY, "--json", *fixed, "--budget-gb", f"{budget:.9f}"))
+    assert tight["fits"] and tight["lean_layers"] is True, tight
+    assert lean["total_bytes"] <= tight["predicted_peak_bytes"] <= tight["limit_bytes"] < plain["total_bytes"]
+    res = memfit("plan", TINY, *fixed, "--budget-gb", f"{budget:.9f}")
+    assert "lean layers" in res.stdout  # the candidate table names the technique
+
+
 def test_plan_max_seq_reports_the_longest_sequence_that_fits():
     budget = 0.05
     out = _json(memfit("plan", TINY, "--budget-gb", str(budget), "--max-seq", "--set", "memory.policy=full",

@@ -227,3 +227,30 @@ def test_offloaded_blocks_give_the_gradients_of_full_checkpointing_with_less_on_
     assert off_mem < full_mem
     assert all(torch.equal(off_grads[n], full_grads[n]) for n in full_grads)
     assert activation_offload.offloader().blocks and all(activation_offload.offloader().blocks)
+
+
+def test_chunked_loss_under_bf16_keeps_no_16_bit_copy_of_a_whole_chunk():
+    """Under bf16 autocast the logits are computed in bf16 and held in fp32: the bf16 matmul fills the fp32
+    buffer slice by slice, and backward makes its bf16 copy of the gradient slice by slice, so the head's
+    backward peak stays near one fp32 chunk (a whole bf16 copy beside it would be 1.5 x)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
+    from memfit.memory.tracker import StepTracker
+    from memfit.training.loss import SLICE_ROWS
+
+    vocab, chunk = 4096, 8 * SLICE_ROWS
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4))
+    model.lm_head.weight.requires_grad_(False)
+    optimizer = make_optimizer(model)
+    init_optimizer_state(optimizer)
+    tracker = StepTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        run_step(model, optimizer, [torch.randint(0, vocab, (2, chunk))], "bf16-mixed", tracker, None,
+                 ChunkedLoss(chunk))
+    one_chunk = chunk * vocab * 4
+    backward = next(s for s in tracker.segments if s.label.endswith(".bpost"))  # no blocks given: all of it
+    assert one_chunk <= backward.peak["other"] < 1.2 * one_chunk, backward.peak["other"] / one_chunk

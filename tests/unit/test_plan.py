@@ -264,8 +264,11 @@ def test_lean_optimizers_are_fallbacks_after_the_configured_one(monkeypatch):
                                                                       "adamw-cpu-offload"]
     assert optimizer_fallbacks(config.from_dict({"memory": {"optimizer": "adamw"}}), PROFILES["cpu"]) == ["adamw"]
     tiers = candidate_tiers(cfg, PROFILES["cpu"])
-    assert [t[0].optimizer for t in tiers] == ["adamw", "adamw-8bit"]  # one LoRA-free tier per optimizer
+    # One LoRA-free tier per optimizer, each without and then with the lean layers (memory.lean_layers auto).
+    assert [(t[0].optimizer, t[0].lean_layers) for t in tiers] == [("adamw", False), ("adamw", True),
+                                                                    ("adamw-8bit", False), ("adamw-8bit", True)]
     assert {s.loss for s in tiers[0]} == {"plain", "chunked"}
+    assert len(candidate_tiers(config.from_dict({"memory": {"lean_layers": False}}), PROFILES["cpu"])) == 2
 
 
 def test_plan_table_shows_loss_and_optimizer():
@@ -285,7 +288,8 @@ def test_max_seq_takes_the_leanest_per_token_stack_the_config_leaves_open():
     cuda, cpu = get_profile("t4", "x"), PROFILES["cpu"]
     stack, kinds = longest_context_stack(config.from_dict({}), cuda, planned, 128_256)
     assert kinds == ("offload",) * N and stack.loss == "chunked"  # auto policy, and auto loss at a large vocab
+    assert stack.lean_layers  # and under memory.lean_layers auto, the lean layers
     assert longest_context_stack(config.from_dict({}), cuda, planned, 512)[0].loss == "plain"  # as a run has it
     assert longest_context_stack(config.from_dict({}), cpu, planned, 512)[1] == ("full",) * N  # offload: CUDA only
-    fixed = config.from_dict({"memory": {"policy": "selective", "loss": "plain"}})
+    fixed = config.from_dict({"memory": {"policy": "selective", "loss": "plain", "lean_layers": False}})
     assert longest_context_stack(fixed, cuda, planned, 128_256) == (planned.stack, planned.kinds)  # as set
