@@ -3,7 +3,8 @@
 Workload (issue #14, torchtune's recipes): configs/llama-3-8b-lora.yaml at batch 2 x 2048, LoRA r=8 on every
 linear layer of the blocks, full gradient checkpointing (or offload, its CUDA variant), target an RTX 4090.
 Nothing is allocated: each row is `memfit estimate` on fake tensors from config.json alone, with the loss
-(memory.loss) and the AdamW variant (memory.optimizer, memory.optimizer_in_backward) named in its label.
+(memory.loss), the lean layers (memory.lean_layers) and the AdamW variant (memory.optimizer,
+memory.optimizer_in_backward) named in its label.
 
     PYTHONPATH=. python bench/llama8b_table.py            # a few minutes on 2 busy cores; writes bench/out/
 """
@@ -26,31 +27,37 @@ GIB = 2**30
 WORKLOAD = ["train.batch_size=2", "train.grad_accum_steps=1", "data.seq_len=2048", "lora.r=8", "lora.alpha=16"]
 # (label, --set overrides, policy, the anchor's published figure for the same job)
 CHUNKED = ["memory.loss=chunked"]
+LEAN = [*CHUNKED, "memory.lean_layers=true"]  # the chunked loss and the lean SwiGLU / RMSNorm layers
 LEANEST = ["lora.enabled=false", "train.precision=bf16-true", "train.max_grad_norm=null",
-           "memory.optimizer=adamw-cpu-offload", "memory.optimizer_in_backward=true", *CHUNKED]
+           "memory.optimizer=adamw-cpu-offload", "memory.optimizer_in_backward=true", *LEAN]
 TORCHTUNE_LORA = "torchtune 16.2 GiB (RTX 4090, Llama-3.1-8B, batch 2, packed 2048)"
+NO_CLIP = ["train.max_grad_norm=null", "memory.optimizer_in_backward=true"]
 ROWS = [
     ("LoRA, bf16-mixed, bf16 frozen base, plain loss", ["lora.enabled=true", "memory.loss=plain"], "full", ""),
-    ("LoRA, bf16-mixed, bf16 base, chunked loss", ["lora.enabled=true", *CHUNKED], "full", TORCHTUNE_LORA),
-    ("LoRA, bf16 base, chunked loss, activation offload", ["lora.enabled=true", *CHUNKED], "offload",
+    ("LoRA, bf16 base, chunked loss", ["lora.enabled=true", *CHUNKED], "full", ""),
+    ("LoRA, bf16 base, chunked loss, lean layers", ["lora.enabled=true", *LEAN], "full", TORCHTUNE_LORA),
+    ("LoRA, bf16 base, chunked loss, activation offload", ["lora.enabled=true", *CHUNKED], "offload", ""),
+    ("LoRA, bf16 base, chunked loss, lean layers, activation offload", ["lora.enabled=true", *LEAN], "offload",
      TORCHTUNE_LORA),
-    ("LoRA, bf16 base, chunked loss, activation offload, AdamW step in backward (no clipping)",
-     ["lora.enabled=true", *CHUNKED, "train.max_grad_norm=null", "memory.optimizer_in_backward=true"], "offload",
-     TORCHTUNE_LORA),
-    ("LoRA, bf16 base, chunked loss, 8-bit AdamW", ["lora.enabled=true", *CHUNKED, "memory.optimizer=adamw-8bit"],
+    ("LoRA, bf16 base, chunked, lean, offload, AdamW step in backward (no clipping)",
+     ["lora.enabled=true", *LEAN, *NO_CLIP], "offload", TORCHTUNE_LORA),
+    ("LoRA, bf16 base, chunked loss, lean layers, 8-bit AdamW",
+     ["lora.enabled=true", *LEAN, "memory.optimizer=adamw-8bit"], "full", ""),
+    ("LoRA, bf16-true, chunked loss, lean layers", ["lora.enabled=true", "train.precision=bf16-true", *LEAN],
      "full", ""),
-    ("LoRA, bf16-true, chunked loss", ["lora.enabled=true", "train.precision=bf16-true", *CHUNKED], "full", ""),
     ("QLoRA (NF4 base), bf16-mixed, plain loss", ["lora.enabled=true", "lora.quantize=nf4", "memory.loss=plain"],
      "full", ""),
-    ("QLoRA (NF4 base), chunked loss", ["lora.enabled=true", "lora.quantize=nf4", *CHUNKED], "full",
+    ("QLoRA (NF4 base), chunked loss", ["lora.enabled=true", "lora.quantize=nf4", *CHUNKED], "full", ""),
+    ("QLoRA (NF4 base), chunked loss, lean layers", ["lora.enabled=true", "lora.quantize=nf4", *LEAN], "full",
      "torchtune 7.4 GiB"),
-    ("QLoRA (NF4 base), chunked loss, activation offload", ["lora.enabled=true", "lora.quantize=nf4", *CHUNKED],
-     "offload", "torchtune 7.4 GiB; Unsloth: 40.7 K tokens of context on 16 GB"),
-    ("QLoRA (NF4 base), chunked loss, 8-bit AdamW", ["lora.enabled=true", "lora.quantize=nf4", *CHUNKED,
-                                                      "memory.optimizer=adamw-8bit"], "full", "torchtune 7.4 GiB"),
+    ("QLoRA (NF4 base), chunked loss, lean layers, activation offload",
+     ["lora.enabled=true", "lora.quantize=nf4", *LEAN], "offload",
+     "torchtune 7.4 GiB; Unsloth: 40.7 K tokens of context on 16 GB"),
+    ("QLoRA (NF4 base), chunked loss, lean layers, 8-bit AdamW",
+     ["lora.enabled=true", "lora.quantize=nf4", *LEAN, "memory.optimizer=adamw-8bit"], "full", "torchtune 7.4 GiB"),
     ("full fine-tune, bf16-true, AdamW", ["lora.enabled=false", "train.precision=bf16-true", "memory.loss=plain",
                                           "memory.optimizer=adamw"], "full", ""),
-    ("full fine-tune, bf16-true, chunked loss, AdamW on the CPU, step in backward", LEANEST, "full",
+    ("full fine-tune, bf16-true, chunked, lean, AdamW on the CPU, step in backward", LEANEST, "full",
      "torchtune 18.9 GiB (paged 8-bit AdamW, optimizer step in backward)"),
 ]
 

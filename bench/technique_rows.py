@@ -1,4 +1,4 @@
-"""memory_bench.py's rows for the memory techniques besides checkpointing: chunked loss and each AdamW variant.
+"""memory_bench.py's rows for the memory techniques besides checkpointing: chunked loss, AdamW variants, lean layers.
 
 Each row is one technique on the reference workload, every block fully checkpointed (so the head, loss and
 optimizer are where the memory goes): the peak measured by memfit's tracker on real tensors beside the
@@ -16,6 +16,7 @@ import torch
 
 from memfit.memory.compose import Stack
 from memfit.memory.estimate import Estimator
+from memfit.memory.lean_layers import apply_lean_layers
 from memfit.memory.policies import assign_blocks, find_blocks
 from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
 from memfit.memory.tracker import StepTracker
@@ -31,6 +32,8 @@ TECHNIQUES: dict[str, dict[str, Any]] = {
     "step in backward": {"optimizer_in_backward": True},
     "chunked + 8-bit + step in backward": {"loss": "chunked", "optimizer": "adamw-8bit",
                                            "optimizer_in_backward": True},
+    "lean layers": {"lean_layers": True},
+    "chunked + lean layers": {"loss": "chunked", "lean_layers": True},
 }
 
 
@@ -74,6 +77,8 @@ def technique_rows(build, args, policy_est: Estimator, clock) -> tuple[str, list
     runs = []
     for row in rows:
         model = build(args)
+        if row.stack.lean_layers:
+            apply_lean_layers(model)
         n = len(find_blocks(model))
         assign_blocks(model, ["full"] * n)
         optimizer = make_optimizer(model, kind=row.stack.optimizer)

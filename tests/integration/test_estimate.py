@@ -111,20 +111,24 @@ def test_llama3_8b_from_config_json_alone(tmp_path):
     json.dumps(lora)  # what `memfit estimate --json` prints
 
 
-@pytest.mark.parametrize("quantize", ["none", "nf4"])
-def test_lora_estimate_matches_the_measured_step_with_a_16_bit_or_4_bit_base(quantize):
+@pytest.mark.parametrize("quantize,lean", [("none", False), ("nf4", False), ("none", True), ("nf4", True)])
+def test_lora_estimate_matches_the_measured_step_with_a_16_bit_or_4_bit_base(quantize, lean):
     """The frozen base in bf16 (or NF4) and the adapters in fp32, as prepare_lora_model builds the training
-    model: the estimate on fake tensors equals the tracker's measurement of the real step."""
+    model (with or without the lean layers): the estimate on fake tensors equals the tracker's measurement of
+    the real step."""
     from memfit.lora import prepare_lora_model
+    from memfit.memory.lean_layers import apply_lean_layers
 
     if quantize == "nf4":
         pytest.importorskip("bitsandbytes")
     lora_cfg = config.LoraConfig(enabled=True, r=4, quantize=quantize)
     model = prepare_lora_model(tiny("llama"), lora_cfg, "bf16-mixed")
+    if lean:
+        assert apply_lean_layers(model)["mlp"] == len(find_blocks(model))
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
     assert frozen == ({torch.bfloat16} if quantize == "none" else {torch.bfloat16, torch.uint8})
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
-    stack = Stack("bf16-mixed", 4, 1, True, quantize=quantize)
+    stack = Stack("bf16-mixed", 4, 1, True, quantize=quantize, lean_layers=lean)
     est = Estimator(tiny("llama").config, SEQ, PROFILES["cpu"], lora_cfg=lora_cfg, save_ops=SAVE_OPS)
     n = len(find_blocks(model))
     predicted = est.estimate(stack, ["full"] * n)
