@@ -63,9 +63,11 @@ class SwiGLU(torch.autograd.Function):
 
 
 def lean_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled():
-        return self.down_proj(SwiGLU.apply(self.gate_proj(x), self.up_proj(x)))
-    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    # The in-place backward needs one dtype and shape (what the projections give under any precision policy).
+    if torch.is_grad_enabled() and gate.dtype == up.dtype and gate.shape == up.shape:
+        return self.down_proj(SwiGLU.apply(gate, up))
+    return self.down_proj(self.act_fn(gate) * up)
 
 
 class RMSNorm(torch.autograd.Function):
