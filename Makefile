@@ -34,10 +34,11 @@ run: $(STAMP)
 # Lint first (under a second): style slips fail CI like a failing test. One pytest process by default;
 # TEST_WORKERS=2 runs two pytest-xdist workers, a test file the unit of work (the files that kill runs or time
 # themselves share one: TIMED_FILES in tests/conftest.py). On the shared 2-core machine two workers did not
-# pay (docs/testing.md has the figures); measure before making it the default.
+# pay (docs/testing.md has the figures); measure before making it the default. The 30 slowest tests are listed
+# at the end, so every CI log says where the suite's time goes.
 TEST_WORKERS ?= 0
 test: lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "unit"
