@@ -227,7 +227,8 @@ def write_outputs(modes: list[Mode], none: Mode, full: Mode, args, out: Path, ex
             "parentheses.")
     md = f"{head}\n\n{table}\n\nTargets:\n\n{check_md}\n"
     if extra.get("techniques_table"):
-        md += f"\nLoss, optimizer and step in backward (bench/technique_rows.py):\n\n{extra['techniques_table']}\n"
+        md += ("\nLoss, optimizer, step in backward and lean layers (bench/technique_rows.py):\n\n"
+               f"{extra['techniques_table']}\n")
     (out / "memory_bench.md").write_text(md)
     (out / "memory_bench.json").write_text(json.dumps({"args": vars(args), "rows": data, **extra,
                                                         "checks": [list(c) for c in checks]}, indent=2))
