@@ -113,6 +113,10 @@ class EphemeralServer:
         with temporary_settings(updates={PREFECT_API_URL: url}):
             yield url
 
+    def answers(self) -> bool:
+        """Whether the server answers /api/health now (no waiting)."""
+        return self.proc is not None and self._healthy()
+
     def _healthy(self) -> bool:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
         try:
@@ -141,9 +145,38 @@ class EphemeralServer:
                     os.environ[key] = value
 
 
-# `python -m uvicorn ARGS`, after clearing the signal mask the parent held while starting it (see _launch).
-_UNMASKED_UVICORN = ("import runpy, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, set()); "
-                     "sys.argv = ['uvicorn', *sys.argv[1:]]; runpy.run_module('uvicorn', run_name='__main__')")
+# The server boots beside memfit's own start-up (≈ 8 s of CPU on a warm home, most of it imports), on the
+# other core: memfit's process is the critical path, so on a busy machine it gets the cores first. The server is
+# still nicer-than-memfit but less nice than the tracking process (child.py, needed only by phase 3).
+SERVER_NICE = 5
+# `python -m uvicorn ARGS`, after clearing the signal mask the parent held while starting it (see _launch), at
+# SERVER_NICE. A thread then waits for the server's health and makes the first requests Prefect's client makes
+# (the first one costs the server ≈ 1 s of CPU, lazily, whatever it is): read-only ones, so nothing is written,
+# done while memfit still imports instead of while its flow run waits for the answers.
+_UNMASKED_UVICORN = f"""
+import http.client, os, runpy, signal, sys, threading, time
+signal.pthread_sigmask(signal.SIG_SETMASK, set())
+try:
+    os.nice({SERVER_NICE})
+except OSError:
+    pass
+def warm(port):
+    for _ in range(3000):
+        try:
+            for method, path in (("GET", "/api/health"), ("GET", "/api/admin/version"),
+                                 ("POST", "/api/flows/filter"), ("POST", "/api/flow_runs/filter")):
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                conn.request(method, path, body="{{}}" if method == "POST" else None,
+                             headers={{"Content-Type": "application/json"}})
+                conn.getresponse().read()
+                conn.close()
+            return
+        except OSError:
+            time.sleep(0.1)
+threading.Thread(target=warm, args=(int(sys.argv[sys.argv.index("--port") + 1]),), daemon=True).start()
+sys.argv = ["uvicorn", *sys.argv[1:]]
+runpy.run_module("uvicorn", run_name="__main__")
+"""
 
 
 def api_url_configured(cwd: Path | None = None) -> bool:
