@@ -148,12 +148,17 @@ class ProcessTracker:
         self.caller_seconds = 0.0  # time log_metrics spent on the caller's (training) thread
         self.step_seconds = 0.0
         self._unsettled: collections.deque[Future[dict[str, Any]]] = collections.deque()
+        self._settling = threading.Lock()  # the training thread and the checkpoint writer both call in
         _result(child.ready().result(CALL_TIMEOUT_S))
 
     def _settle(self) -> None:
         """Log and raise what the answers of earlier unwaited calls carry, as far as they have come."""
-        while self._unsettled and self._unsettled[0].done():
-            _result(self._unsettled.popleft().result())
+        while True:
+            with self._settling:
+                if not (self._unsettled and self._unsettled[0].done()):
+                    return
+                answer = self._unsettled.popleft().result()
+            _result(answer)
 
     def _call(self, op: str, *args: Any, settle_first: bool = True, **kwargs: Any) -> Any:
         if settle_first:
