@@ -145,14 +145,14 @@ class EphemeralServer:
                     os.environ[key] = value
 
 
-# The server boots beside memfit's own start-up (≈ 8 s of CPU on a warm home, most of it imports), on the
-# other core: memfit's process is the critical path, so on a busy machine it gets the cores first. The server is
-# still nicer-than-memfit but less nice than the tracking process (child.py, needed only by phase 3).
+# The server boots beside memfit's own start-up (≈ 7.5 s of CPU to be healthy on a warm home, most of it
+# imports), on the other core. memfit's process is the critical path, so it wins a contended core; the tracking
+# process (child.py, nice 10, needed only from phase 3 on) loses to the server, which the flow needs first.
 SERVER_NICE = 5
 # `python -m uvicorn ARGS`, after clearing the signal mask the parent held while starting it (see _launch), at
-# SERVER_NICE. A thread then waits for the server's health and makes the first requests Prefect's client makes
-# (the first one costs the server ≈ 1 s of CPU, lazily, whatever it is): read-only ones, so nothing is written,
-# done while memfit still imports instead of while its flow run waits for the answers.
+# SERVER_NICE. A thread then waits for the server's health and makes the first requests Prefect's client makes:
+# the server's first answer costs it ≈ 1 s of CPU (lazy set-up in Prefect's server), spent now, while memfit
+# still imports, instead of while its flow run waits. Read-only requests: nothing is written to the database.
 _UNMASKED_UVICORN = f"""
 import http.client, os, runpy, signal, sys, threading, time
 signal.pthread_sigmask(signal.SIG_SETMASK, set())
