@@ -57,6 +57,10 @@ class EphemeralServer:
         self._saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", OWN_SERVER_ENV, "PREFECT_UI_URL")}
         atexit.register(self.stop)
         self._launch()
+        # Whether it answers yet, known without waiting: a request to a server still booting can block for the
+        # whole timeout (the port is bound, its process busy importing), so a thread asks, not the warm-up.
+        self._answered = threading.Event()
+        threading.Thread(target=self._watch_health, name="memfit-server-health", daemon=True).start()
         # No UI in an ephemeral server: Prefect's "View at <url>" line would name a page that does not exist.
         os.environ.setdefault("PREFECT_UI_URL", "")
 
@@ -114,8 +118,15 @@ class EphemeralServer:
             yield url
 
     def answers(self) -> bool:
-        """Whether the server answers /api/health now (no waiting)."""
-        return self.proc is not None and self._healthy()
+        """Whether the server has answered /api/health (no waiting)."""
+        return self._answered.is_set()
+
+    def _watch_health(self) -> None:
+        while self.proc is not None and self.proc.poll() is None:
+            if self._healthy():
+                self._answered.set()
+                return
+            time.sleep(0.1)
 
     def _healthy(self) -> bool:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
