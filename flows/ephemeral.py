@@ -57,6 +57,10 @@ class EphemeralServer:
         self._saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", OWN_SERVER_ENV, "PREFECT_UI_URL")}
         atexit.register(self.stop)
         self._launch()
+        # Whether it answers yet, known without waiting: a request to a server still booting can block for the
+        # whole timeout (the port is bound, its process busy importing), so a thread asks, not the warm-up.
+        self._answered = threading.Event()
+        threading.Thread(target=self._watch_health, name="memfit-server-health", daemon=True).start()
         # No UI in an ephemeral server: Prefect's "View at <url>" line would name a page that does not exist.
         os.environ.setdefault("PREFECT_UI_URL", "")
 
@@ -113,6 +117,17 @@ class EphemeralServer:
         with temporary_settings(updates={PREFECT_API_URL: url}):
             yield url
 
+    def answers(self) -> bool:
+        """Whether the server has answered /api/health (no waiting)."""
+        return self._answered.is_set()
+
+    def _watch_health(self) -> None:
+        while self.proc is not None and self.proc.poll() is None:
+            if self._healthy():
+                self._answered.set()
+                return
+            time.sleep(0.1)
+
     def _healthy(self) -> bool:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
         try:
@@ -141,9 +156,38 @@ class EphemeralServer:
                     os.environ[key] = value
 
 
-# `python -m uvicorn ARGS`, after clearing the signal mask the parent held while starting it (see _launch).
-_UNMASKED_UVICORN = ("import runpy, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, set()); "
-                     "sys.argv = ['uvicorn', *sys.argv[1:]]; runpy.run_module('uvicorn', run_name='__main__')")
+# The server boots beside memfit's own start-up (≈ 7.5 s of CPU to be healthy on a warm home, most of it
+# imports), on the other core. memfit's process is the critical path, so it wins a contended core; the tracking
+# process (child.py, nice 10, needed only from phase 3 on) loses to the server, which the flow needs first.
+SERVER_NICE = 5
+# `python -m uvicorn ARGS`, after clearing the signal mask the parent held while starting it (see _launch), at
+# SERVER_NICE. A thread then waits for the server's health and makes the first requests Prefect's client makes:
+# the server's first answer costs it ≈ 1 s of CPU (lazy set-up in Prefect's server), spent now, while memfit
+# still imports, instead of while its flow run waits. Read-only requests: nothing is written to the database.
+_UNMASKED_UVICORN = f"""
+import http.client, os, runpy, signal, sys, threading, time
+signal.pthread_sigmask(signal.SIG_SETMASK, set())
+try:
+    os.nice({SERVER_NICE})
+except OSError:
+    pass
+def warm(port):
+    for _ in range(3000):
+        try:
+            for method, path in (("GET", "/api/health"), ("GET", "/api/admin/version"),
+                                 ("POST", "/api/flows/filter"), ("POST", "/api/flow_runs/filter")):
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                conn.request(method, path, body="{{}}" if method == "POST" else None,
+                             headers={{"Content-Type": "application/json"}})
+                conn.getresponse().read()
+                conn.close()
+            return
+        except OSError:
+            time.sleep(0.1)
+threading.Thread(target=warm, args=(int(sys.argv[sys.argv.index("--port") + 1]),), daemon=True).start()
+sys.argv = ["uvicorn", *sys.argv[1:]]
+runpy.run_module("uvicorn", run_name="__main__")
+"""
 
 
 def api_url_configured(cwd: Path | None = None) -> bool:

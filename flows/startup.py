@@ -15,16 +15,20 @@ log = logging.getLogger("memfit.startup")
 _PRESET_TYPES = {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}
 
 
-def warm_up(cfg: Any) -> list[str]:
+def warm_up(cfg: Any, server_ready: Callable[[], bool] = lambda: False) -> list[str]:
     """Do now, on this process's core, the start-up work the flow would do later anyway (imports, the local
     MLflow store), while the server boots on the other core; returns what it did.
 
-    Each part only prepares: a failure is left for the phase that meets it, which reports it in its own words.
+    It stops once `server_ready()`: from then on a part would only delay the flow (the inputs, built here,
+    are built again by phase 1 from the disk cache), so the phases do the rest themselves. Each part only
+    prepares: a failure is left for the phase that meets it, which reports it in its own words.
     """
     done = []
     parts: list[tuple[str, Callable[[Any], bool]]] = [("model classes", _model_classes), ("inputs", _inputs),
                                                       ("MLflow store", _tracking_store), ("trainer", _trainer)]
     for name, part in parts:
+        if server_ready():
+            break
         try:
             if part(cfg):
                 done.append(name)

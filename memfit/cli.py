@@ -103,7 +103,8 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
         if not debug:
             quiet = quiet_expected_errors(Path(cfg.run.work_dir) / "logs" / "errors.log",
                                           lambda: _GUARD is not None and _GUARD.signalled)
-        warm_up(cfg)  # what the phases would import and open later, done while the server still boots
+        # What the phases would import and open later, done while the server still boots (not once it answers).
+        warm_up(cfg, server.answers if server is not None else lambda: True)
         with server.serving() if server is not None else nullcontext():
             summary = finetune(config=cfg)
     except OnnxExportFailed as err:  # everything else is done: the summary first, then the one line

@@ -19,6 +19,10 @@ _REAPER = """
 import os, signal, sys
 signal.signal(signal.SIGTERM, lambda *_: None)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked by memfit from the fork to here
+try:
+    os.nice(10)  # off the critical path: its start-up (psutil's import) must not take memfit's core
+except OSError:
+    pass
 import psutil
 targets = []
 for line in sys.stdin:

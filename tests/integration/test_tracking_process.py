@@ -117,3 +117,17 @@ def test_a_sigkilled_parent_leaves_no_tracking_process_and_its_sent_metrics_are_
         history = MlflowClient(tracking_uri=uri).get_metric_history(run_id, "loss")
         time.sleep(0.2)
     assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(1, 11)]
+
+
+def test_an_error_in_a_call_not_waited_for_is_raised_at_the_next_call(tmp_path):
+    cfg = _cfg(tmp_path)
+    prestart(cfg)
+    tracker = make_tracker(cfg, prestarted=True)
+    run_id = tracker.start_run("unwaited")
+    tracker.log_params({"bad\x00name": 1})  # returns at once: phase 3 does not wait for MLflow's writes
+    with pytest.raises(TrackingError, match="Names may only contain"):
+        tracker.flush()
+    tracker.log_params({"lr": 0.5})
+    tracker.end_run("FINISHED")  # waits for every call before it, as any call that answers does
+    run = MlflowClient(tracking_uri=cfg.resolved_uri()).get_run(run_id)
+    assert run.data.params == {"lr": "0.5"} and run.info.status == "FINISHED"
