@@ -384,11 +384,11 @@ def main() -> None:
                 modes = [f"{lp}:{v}" for lp in loops]
                 for mode, out in run_group(args, modes, tmp, env, args.steps, args.warmup, rnd).items():
                     results[mode].append(out)
+                OUT.mkdir(exist_ok=True)  # kept group by group: a long run that fails late still leaves its turns
+                (OUT / "loop_overhead_rounds.json").write_text(json.dumps(results))
             print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(
                 f"{m} {1000 * statistics.median(r[-1]['blocks']):.1f} ms "
                 f"(CPU {1000 * r[-1]['cpu_seconds'] / r[-1]['steps']:.1f})" for m, r in results.items()), flush=True)
-            OUT.mkdir(exist_ok=True)  # kept round by round: a long run that fails late still leaves its rounds
-            (OUT / "loop_overhead_rounds.json").write_text(json.dumps(results))
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     print_table(args, loops, variants, results)
 
