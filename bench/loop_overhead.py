@@ -1,6 +1,6 @@
 """What memfit's training loop costs beside a bare PyTorch loop and the HF Trainer, and where its time goes.
 
-    PYTHONPATH=. python bench/loop_overhead.py [--rounds 5] [--steps 60] [--warmup 10] [--optimizer fused]
+    PYTHONPATH=. python bench/loop_overhead.py [--rounds 3] [--steps 100] [--block 10] [--optimizer fused]
 
 Three loops train the same tiny model (configs/tiny.yaml's preset and data), seed, AdamW (torch.optim.AdamW
 over memfit's two parameter groups, betas 0.9/0.95, fused or foreach: --optimizer), schedule, clipping and
@@ -8,9 +8,12 @@ over memfit's two parameter groups, betas 0.9/0.95, fused or foreach: --optimize
 store under a temporary folder, a training checkpoint every 10 steps to a local folder). memfit is
 memfit.training.loop.Trainer with its memory monitor as configured by default; bare is the loop a person
 writes (mlflow.log_metrics(synchronous=False) per step, torch.save every 10 steps); HF is transformers.Trainer
-(report_to mlflow, save_steps 10). Each (loop, variant) trains in its own process; a round runs all six in a
-rotated order; a process trains --warmup steps untimed, then --steps timed. Ratios are per round, reported as
-the median over rounds. Prints a table (also bench/out/loop_overhead.md) and, with --plot, a PNG.
+(report_to mlflow, save_steps 10). In a round, the loops of one variant run as concurrent processes that take
+turns: a token passed over pipes lets one process train a block of --block steps while the others wait on a
+pipe read, so the blocks of one turn see the same machine state (other people's jobs included). --warmup
+steps (whole blocks) are untimed, then --steps timed. Ratios are per block pair (the same turn), reported as
+the median over all rounds' pairs with the quartiles and the range. Prints a table (also
+bench/out/loop_overhead.md), keeps every block in bench/out/loop_overhead_rounds.json and, with --plot, a PNG.
 """
 
 from __future__ import annotations
@@ -34,6 +37,34 @@ THREADS = 2
 
 
 # -- one process: one loop, one variant ------------------------------------------------------------------
+class Turns:
+    """This process's side of the turn-taking: a stamp after every optimizer step; after every `block` steps
+    the token goes back to the driver and the process waits (a blocking pipe read, no CPU) for its next turn."""
+
+    def __init__(self, ctl: str, block: int) -> None:
+        rfd, wfd = (int(x) for x in ctl.split(","))
+        self._go, self._done, self.block = os.fdopen(rfd, "rb", 0), os.fdopen(wfd, "wb", 0), block
+        self.stamps: list[float] = []
+        self.cpu: list[float] = []  # process CPU time at the same moments (all its threads)
+        self.resumed: list[tuple[float, float]] = []  # (wall, CPU) when each turn began
+        self.paused_cpu = 0.0  # CPU the process spent while it waited (its background threads)
+
+    def wait(self) -> None:
+        t = time.process_time()
+        self._done.write(b"d")
+        if self._go.read(1) != b"g":
+            raise SystemExit("loop_overhead worker: the driver went away")
+        self.resumed.append((time.perf_counter(), time.process_time()))
+        if len(self.resumed) > 1:
+            self.paused_cpu += self.resumed[-1][1] - t
+
+    def mark(self) -> None:
+        self.stamps.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        if len(self.stamps) % self.block == 0:
+            self.wait()
+
+
 def _config(root: Path, variant: str, steps: int):
     from memfit import config
 
@@ -74,7 +105,7 @@ def _metrics(loss: float, lr: float, norm: float, tokens: int, dt: float) -> dic
             "memory_peak_bytes": rss, "memory_current_bytes": rss}
 
 
-def run_bare(cfg, variant: str, fused: bool) -> dict:
+def run_bare(cfg, variant: str, fused: bool, turns: Turns) -> dict:
     import mlflow
     import torch
 
@@ -95,10 +126,9 @@ def run_bare(cfg, variant: str, fused: bool) -> dict:
         mlflow.start_run(run_name="bare")
     ckpt = Path(cfg.checkpoint.uri)
     ckpt.mkdir(parents=True, exist_ok=True)
-    stamps: list[float] = []
-    cpu: list[float] = []  # process CPU time at the same moments (less sensitive to a busy machine)
     tokens = t.batch_size * data.train.shape[1]
     model.train()
+    turns.wait()
     for step in range(1, t.max_steps + 1):
         t0 = time.perf_counter()
         total = 0.0
@@ -118,14 +148,13 @@ def run_bare(cfg, variant: str, fused: bool) -> dict:
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                             "scheduler": sched.state_dict(), "step": step}, ckpt / "last.pt.tmp")
                 os.replace(ckpt / "last.pt.tmp", ckpt / "last.pt")
-        stamps.append(time.perf_counter())
-        cpu.append(time.process_time())
+        turns.mark()
     if full:
         mlflow.end_run()
-    return {"stamps": stamps, "cpu": cpu}
+    return {}
 
 
-def run_hf(cfg, variant: str, fused: bool) -> dict:
+def run_hf(cfg, variant: str, fused: bool, turns: Turns) -> dict:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -136,13 +165,10 @@ def run_hf(cfg, variant: str, fused: bool) -> dict:
     full = variant == "full"
     if full:
         os.environ.update(MLFLOW_TRACKING_URI=cfg.tracking.uri, MLFLOW_EXPERIMENT_NAME=cfg.tracking.experiment)
-    stamps: list[float] = []
-    cpu: list[float] = []  # process CPU time at the same moments (less sensitive to a busy machine)
 
     class Stamp(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter())
-            cpu.append(time.process_time())
+            turns.mark()
 
     class Blocks(torch.utils.data.Dataset):
         def __len__(self) -> int:
@@ -160,11 +186,12 @@ def run_hf(cfg, variant: str, fused: bool) -> dict:
         dataloader_num_workers=0, run_name="hf")
     trainer = Trainer(model=model, args=args, train_dataset=Blocks(), optimizers=(opt, make_scheduler(opt, t)),
                       callbacks=[Stamp()])
+    turns.wait()
     trainer.train()
-    return {"stamps": stamps, "cpu": cpu}
+    return {}
 
 
-def run_memfit(cfg, variant: str, fused: bool) -> dict:
+def run_memfit(cfg, variant: str, fused: bool, turns: Turns) -> dict:
     """memfit's Trainer, with timers around the parts of its loop (the breakdown); the loop itself as shipped."""
     try:  # as `memfit run` does: MLflow in its own process, started before torch imports
         from memfit.tracking.process import prestart
@@ -184,8 +211,6 @@ def run_memfit(cfg, variant: str, fused: bool) -> dict:
     model, data = _inputs(cfg)
     strategies.optim.make_adamw = lambda m, lr, wd, **_: _adamw(m, cfg, fused)  # the bench's AdamW, in every loop
     spent = {"step": [], "monitor": 0.0, "save": 0.0, "flush": 0.0}
-    stamps: list[float] = []
-    cpu: list[float] = []  # process CPU time at the same moments (less sensitive to a busy machine)
     counted: list[int] = []
     saved_at: list[int] = []
 
@@ -194,8 +219,7 @@ def run_memfit(cfg, variant: str, fused: bool) -> dict:
             t0 = time.perf_counter()
             out = super().optimizer_step()
             spent["step"].append(time.perf_counter() - t0)
-            stamps.append(time.perf_counter())
-            cpu.append(time.process_time())
+            turns.mark()  # its turn may end here: the rest of the step (monitor, save) opens the next turn
             return out
 
         def save(self, blocking, force=False, deadline=None, busy=None):
@@ -227,11 +251,12 @@ def run_memfit(cfg, variant: str, fused: bool) -> dict:
     manager = checkpoint_manager(cfg)
     trainer = Timed(cfg, model, data, torch.device("cpu"), tracker, manager, run_identity(cfg))
     try:
+        turns.wait()
         trainer.fit()
     finally:
         manager.close()
         tracker.end_run()
-    return {"stamps": stamps, "cpu": cpu, "step_s": spent["step"], "monitor_read_s": spent["monitor"],
+    return {"step_s": spent["step"], "monitor_read_s": spent["monitor"],
             "save_call_s": spent["save"], "flush_s": spent["flush"], "counted": counted, "saved_at": saved_at,
             "log_caller_s": getattr(tracker, "caller_seconds", 0.0),
             "snapshot_s": manager.stats.total_snapshot_s, "stall_s": manager.stats.total_stall_s}
@@ -243,17 +268,63 @@ def worker(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING)
     loop_name, variant = args.worker.split(":")
     cfg = _config(Path(args.root), variant, args.warmup + args.steps)
-    fused = args.optimizer == "fused"
-    out = {"bare": run_bare, "memfit": run_memfit, "before": run_memfit, "hf": run_hf}[loop_name](cfg, variant, fused)
-    stamps = out["stamps"][-(args.steps + 1):]  # the timed steps: after the warm-up ones
-    cpu = out["cpu"][-(args.steps + 1):]
-    out["seconds"] = stamps[-1] - stamps[0]
-    out["cpu_seconds"] = cpu[-1] - cpu[0]
-    out["steps"] = len(stamps) - 1
+    turns = Turns(args.ctl, args.block)
+    run = {"bare": run_bare, "memfit": run_memfit, "before": run_memfit, "hf": run_hf}[loop_name]
+    out = run(cfg, variant, args.optimizer == "fused", turns)
+    b, first = args.block, args.warmup // args.block  # the timed turns: after the warm-up ones
+    ends = [(turns.stamps[(k + 1) * b - 1], turns.cpu[(k + 1) * b - 1]) for k in range(len(turns.resumed) - 1)]
+    spans = list(zip(turns.resumed[:-1], ends, strict=True))[first:]
+    out["blocks"] = [(end[0] - start[0]) / b for start, end in spans]  # seconds per step, turn by turn
+    out["blocks_cpu"] = [(end[1] - start[1]) / b for start, end in spans]
+    out["steps"] = b * len(spans)
+    out["seconds"] = sum(out["blocks"]) * b
+    # CPU over the whole timed span, the waits included: what background threads did while others ran counts.
+    out["cpu_seconds"] = spans[-1][1][1] - spans[0][0][1]
+    out["paused_cpu_s"] = turns.paused_cpu
     Path(args.json).write_text(json.dumps(out))
 
 
-# -- the driver: rounds of alternating processes, the table ------------------------------------------
+def run_group(args: argparse.Namespace, modes: list[str], tmp: str, env: dict, steps: int, warmup: int,
+              rotate: int) -> dict[str, dict]:
+    """The loops of `modes` as concurrent processes taking turns of --block steps; their outputs by mode."""
+    procs = {}
+    for mode in modes:
+        go_r, go_w = os.pipe()
+        done_r, done_w = os.pipe()
+        tree = args.before if mode.startswith("before:") else REPO
+        cmd = [sys.executable, __file__, "--worker", mode, "--root", tmp, "--json", f"{tmp}/{mode}.json",
+               "--steps", str(steps), "--warmup", str(warmup), "--optimizer", args.optimizer,
+               "--block", str(args.block), "--ctl", f"{go_r},{done_w}"]
+        proc = subprocess.Popen(cmd, env={**env, "PYTHONPATH": str(tree)}, cwd=tmp, pass_fds=(go_r, done_w))
+        os.close(go_r)
+        os.close(done_w)
+        procs[mode] = (proc, os.fdopen(go_w, "wb", 0), os.fdopen(done_r, "rb", 0))
+
+    def turn_done(mode: str) -> None:
+        if procs[mode][2].read(1) != b"d":
+            raise SystemExit(f"loop_overhead: the {mode} worker failed (exit {procs[mode][0].wait()})")
+
+    try:
+        for mode in modes:  # set-up (imports, model, data) overlaps, untimed; then one turn at a time
+            turn_done(mode)
+        for k in range((steps + warmup) // args.block):
+            j = (k + rotate) % len(modes)  # who goes first rotates from turn to turn
+            for mode in modes[j:] + modes[:j]:
+                procs[mode][1].write(b"g")
+                turn_done(mode)
+        for mode in modes:  # the last turn's end: everyone finishes (final save, exit) at once, untimed
+            procs[mode][1].write(b"g")
+        for mode in modes:
+            if procs[mode][0].wait() != 0:
+                raise SystemExit(f"loop_overhead: the {mode} worker failed (exit {procs[mode][0].returncode})")
+    finally:
+        for proc, *_ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return {mode: json.loads(Path(f"{tmp}/{mode}.json").read_text()) for mode in modes}
+
+
+# -- the driver: rounds of process groups taking turns, the table ------------------------------------------
 def breakdown(r: dict, warmup: int) -> dict[str, float]:
     """memfit-full's time per timed step, by part (seconds); the parts add up to the measured period."""
     steps = r["step_s"]
@@ -280,83 +351,99 @@ def breakdown(r: dict, warmup: int) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=60, help="timed steps per process")
-    p.add_argument("--warmup", type=int, default=10, help="untimed steps first, per process")
+    p.add_argument("--rounds", type=int, default=3, help="fresh process groups per variant")
+    p.add_argument("--steps", type=int, default=100, help="timed steps per process (whole blocks)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first, per process (whole blocks)")
+    p.add_argument("--block", type=int, default=SAVE_EVERY, help="steps per turn (a multiple of the save interval "
+                   "keeps one save in every turn)")
     p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused")
     p.add_argument("--loops", default=",".join(LOOPS), help="comma-separated, from bare,memfit,hf")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from none,full")
     p.add_argument("--before", type=Path, default=None,
                    help="another memfit tree (e.g. `git worktree add` of main): its loop runs as `before`, "
-                   "alternating with this one")
+                   "taking turns with this one")
     p.add_argument("--plot", type=Path, default=None, help="write a bar chart PNG here")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--root", help=argparse.SUPPRESS)
-    p.add_argument("--json", help=argparse.SUPPRESS)
+    for hidden in ("--worker", "--root", "--json", "--ctl"):
+        p.add_argument(hidden, help=argparse.SUPPRESS)
     args = p.parse_args()
+    whole = lambda n: max(args.block, -(-n // args.block) * args.block)  # noqa: E731 - whole blocks, at least one
+    args.steps, args.warmup = whole(args.steps), whole(args.warmup)
     if args.worker:
         return worker(args)
     loops = args.loops.split(",") + (["before"] if args.before else [])
     variants = args.variants.split(",")
-    modes = [f"{lp}:{v}" for v in variants for lp in loops]
-    results: dict[str, list[dict]] = {m: [] for m in modes}
+    results: dict[str, list[dict]] = {f"{lp}:{v}": [] for v in variants for lp in loops}
     env = {**os.environ, "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(THREADS)}
+    print(f"load average at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     with tempfile.TemporaryDirectory(prefix="memfit-loop-bench-") as tmp:
-        def one(mode: str, steps: int, warmup: int) -> dict:
-            out = Path(tmp) / "out.json"
-            tree = args.before if mode.startswith("before:") else REPO
-            cmd = [sys.executable, __file__, "--worker", mode, "--root", tmp, "--json", str(out), "--steps",
-                   str(steps), "--warmup", str(warmup), "--optimizer", args.optimizer]
-            subprocess.run(cmd, env={**env, "PYTHONPATH": str(tree)}, check=True, cwd=tmp)
-            return json.loads(out.read_text())
-
-        for lp in loops:  # preset build, MLflow store, first imports: not timed
-            one(f"{lp}:{variants[-1]}", 2, 1)
+        # Preset build, MLflow store, first imports: not timed.
+        run_group(args, [f"{lp}:{variants[-1]}" for lp in loops], tmp, env, args.block, args.block, 0)
         for rnd in range(args.rounds):
-            order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
-            for mode in order:
-                results[mode].append(one(mode, args.steps, args.warmup))
+            for v in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
+                modes = [f"{lp}:{v}" for lp in loops]
+                for mode, out in run_group(args, modes, tmp, env, args.steps, args.warmup, rnd).items():
+                    results[mode].append(out)
+                OUT.mkdir(exist_ok=True)  # kept group by group: a long run that fails late still leaves its turns
+                (OUT / "loop_overhead_rounds.json").write_text(json.dumps(results))
             print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(
-                f"{m} {1000 * results[m][-1]['seconds'] / args.steps:.1f} ms "
-                f"(CPU {1000 * results[m][-1]['cpu_seconds'] / args.steps:.1f})" for m in modes), flush=True)
-            OUT.mkdir(exist_ok=True)  # kept round by round: a long run that fails late still leaves its rounds
-            (OUT / "loop_overhead_rounds.json").write_text(json.dumps(results))
+                f"{m} {1000 * statistics.median(r[-1]['blocks']):.1f} ms "
+                f"(CPU {1000 * r[-1]['cpu_seconds'] / r[-1]['steps']:.1f})" for m, r in results.items()), flush=True)
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     print_table(args, loops, variants, results)
+
+
+def spread(vals: list[float]) -> str:
+    """median (quartiles; range) of ratios."""
+    q = statistics.quantiles(vals, n=4, method="inclusive") if len(vals) > 1 else vals * 3
+    return f"{statistics.median(vals):.3f}x ({q[0]:.3f}-{q[2]:.3f}; {min(vals):.3f}-{max(vals):.3f})"
 
 
 def print_table(args: argparse.Namespace, loops: list[str], variants: list[str], results: dict[str, list[dict]]
                 ) -> None:
-    def per_step(mode: str, i: int, key: str) -> float:
-        return results[mode][i][key] / results[mode][i]["steps"]
+    def blocks(mode: str) -> list[float]:
+        return [x for r in results[mode] for x in r["blocks"]]
 
-    rounds = range(args.rounds)
+    def med(mode: str) -> float:  # seconds per step: the median turn
+        return statistics.median(blocks(mode))
 
-    def med(mode: str, key: str = "seconds") -> float:
-        return statistics.median(per_step(mode, i, key) for i in rounds)
+    def cpu(mode: str) -> float:  # CPU seconds per step: the median round (whole timed span, waits included)
+        return statistics.median(r["cpu_seconds"] / r["steps"] for r in results[mode])
 
-    def ratio(a: str, b: str, key: str = "seconds") -> str:
-        vals = sorted(per_step(a, i, key) / per_step(b, i, key) for i in rounds)
-        return f"{statistics.median(vals):.3f}x ({vals[0]:.3f}-{vals[-1]:.3f})"
+    def pairs(a: str, b: str) -> list[float]:  # turn by turn: the same turn of the same round
+        return [x / y for ra, rb in zip(results[a], results[b], strict=True)
+                for x, y in zip(ra["blocks"], rb["blocks"], strict=True)]
+
+    def cpu_ratio(a: str, b: str) -> str:
+        vals = sorted(ra["cpu_seconds"] / ra["steps"] / (rb["cpu_seconds"] / rb["steps"])
+                      for ra, rb in zip(results[a], results[b], strict=True))
+        return f"{statistics.median(vals):.3f}x"
 
     import platform
 
     base = "bare" if "bare" in loops else loops[0]
     others = [lp for lp in loops if lp != base]
+    n_pairs = len(pairs(f"{others[0]}:{variants[0]}", f"{base}:{variants[0]}")) if others else 0
     lines = [f"Loop overhead, {time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, "
-             f"{THREADS} torch threads, AdamW {args.optimizer}; {args.rounds} rounds x {args.steps} timed steps "
-             f"per process (after {args.warmup}); per round, then the median of rounds (min-max)", "",
+             f"{THREADS} torch threads, AdamW {args.optimizer}; {args.rounds} rounds, each loop of a variant in its "
+             f"own process, taking turns of {args.block} steps ({args.steps} timed steps each, after {args.warmup}); "
+             f"ms/step: the median turn; ratios per turn pair ({n_pairs} a variant): median (quartiles; range); "
+             "CPU: process CPU seconds over the timed span (background threads included), median of rounds", "",
              "| variant | " + " | ".join(f"{lp} ms/step (CPU ms)" for lp in loops) + " | "
-             + " | ".join(f"{lp} / {base} (CPU)" for lp in others) + " |",
-             "|---" * (1 + len(loops) + len(others)) + "|"]
+             + " | ".join(f"{lp} / {base}" for lp in others) + " | "
+             + " | ".join(f"{lp} / {base} CPU" for lp in others) + " |",
+             "|---" * (1 + len(loops) + 2 * len(others)) + "|"]
     for v in variants:
-        cells = [f"{1000 * med(f'{lp}:{v}'):.2f} ({1000 * med(f'{lp}:{v}', 'cpu_seconds'):.2f})" for lp in loops]
-        cells += [f"{ratio(f'{lp}:{v}', f'{base}:{v}')} ({ratio(f'{lp}:{v}', f'{base}:{v}', 'cpu_seconds')})"
-                  for lp in others]
+        cells = [f"{1000 * med(f'{lp}:{v}'):.2f} ({1000 * cpu(f'{lp}:{v}'):.2f})" for lp in loops]
+        cells += [spread(pairs(f"{lp}:{v}", f"{base}:{v}")) for lp in others]
+        cells += [cpu_ratio(f"{lp}:{v}", f"{base}:{v}") for lp in others]
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
-    if "full" in variants and "none" in variants:
-        lines += ["", "full vs the same loop with nothing: " + ", ".join(
-            f"{lp} {ratio(f'{lp}:full', f'{lp}:none')}" for lp in loops)]
+    if "full" in variants and "none" in variants:  # two process groups: per round, the median turns
+        lines += ["", "full vs the same loop with nothing (per round, median turns): " + ", ".join(
+            f"{lp} " + spread([statistics.median(f["blocks"]) / statistics.median(n["blocks"]) for f, n in
+                               zip(results[f"{lp}:full"], results[f"{lp}:none"], strict=True)]) for lp in loops)]
+    lines += ["", "CPU while waiting for a turn (background threads), ms per timed step: " + ", ".join(
+        f"{m} {1000 * statistics.median(r['paused_cpu_s'] / r['steps'] for r in rs):.2f}" for m, rs in results.items())]
     for lp in [x for x in ("memfit", "before") if x in loops and "full" in variants]:
         parts = [breakdown(r, args.warmup) for r in results[f"{lp}:full"]]
         total = med(f"{lp}:full")
@@ -386,7 +473,7 @@ def plot(path: Path, loops: list[str], variants: list[str], med: dict[str, float
         xs = [i + (k - (len(loops) - 1) / 2) * width for i in range(len(variants))]
         ax.bar(xs, [1000 * med[f"{lp}:{v}"] for v in variants], width, label=lp)
     ax.set_xticks(range(len(variants)), [names[v] for v in variants])
-    ax.set_ylabel("ms per optimizer step (median of rounds)")
+    ax.set_ylabel("ms per optimizer step (median turn)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -191,9 +191,10 @@ class MemoryMonitor:
         if self.device.type == "cuda" or not self.cfg.track_tensors:
             return None
         live = LiveBytes(self.device)
-        live.adopt([p for p in self.model.parameters()], "parameter")
-        live.adopt([b for b in self.model.buffers()], "buffer")
-        live.adopt([p.grad for p in self.model.parameters() if p.grad is not None], "gradient")
+        params = list(self.model.parameters())  # one walk of the module tree (a reading's main cost), not two
+        live.adopt(params, "parameter")
+        live.adopt(list(self.model.buffers()), "buffer")
+        live.adopt([p.grad for p in params if p.grad is not None], "gradient")
         # getattr: an engine's optimizer (DeepSpeed ZeRO) may keep its state elsewhere.
         state = getattr(self.optimizer, "state", None) or {}
         live.adopt([v for s in state.values() if isinstance(s, dict) for v in s.values()
