@@ -275,7 +275,8 @@ def longest_context_stack(cfg: Any, profile: DeviceProfile, planned: Estimate, v
     """The planned stack (precision, LoRA/quantization, micro-batch, optimizer) made as lean per token as the
     config lets it be: under memory.policy auto every block checkpointed (offloaded on a CUDA target), under
     memory.loss auto the loss a run resolves auto to (chunked for large vocabularies, as `memfit estimate`
-    assumes), even where the planner chose plain at data.seq_len. Activations grow with the sequence, the
+    assumes), even where the planner chose plain at data.seq_len, and under memory.lean_layers auto the lean
+    layers where the planner searches (policy or LoRA auto). Activations grow with the sequence, the
     weights do not, so that is the stack that fits the longest sequence; a fixed policy or loss is kept."""
     from memfit.training.loss import resolve_loss
 
@@ -284,8 +285,8 @@ def longest_context_stack(cfg: Any, profile: DeviceProfile, planned: Estimate, v
         kinds = ("offload" if profile.kind == "cuda" else "full",) * len(kinds)
     if cfg.memory.loss == "auto":
         stack = replace(stack, loss=resolve_loss("auto", vocab_size, cfg.distributed.world_size))
-    if cfg.memory.lean_layers == "auto":
-        stack = replace(stack, lean_layers=True)
+    if cfg.memory.lean_layers == "auto" and (cfg.memory.policy == "auto" or cfg.lora.enabled == "auto"):
+        stack = replace(stack, lean_layers=True)  # where the planner may turn them on (off under a fixed policy)
     return stack, kinds
 
 
