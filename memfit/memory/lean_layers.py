@@ -144,9 +144,3 @@ def apply_lean_layers(model: nn.Module) -> dict[str, int]:
                     type(model).__name__)
     return counts
 
-
-def remove_lean_layers(model: nn.Module) -> None:
-    """Back to the model's own forward (the instance attribute set by apply_lean_layers removed)."""
-    for m in model.modules():
-        if getattr(m.forward, "__func__", None) in (lean_mlp_forward, lean_norm_forward):
-            del m.forward
