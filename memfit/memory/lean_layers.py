@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import types
@@ -90,12 +91,12 @@ class RMSNorm(torch.autograd.Function):
         dx = torch.empty_like(x)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         for xc, gc, rc, dc in _row_chunks(x, grad.expand(x.shape[:-1] + grad.shape[-1:]), rstd, dx):
-            y = (xc.to(torch.float32) * rc).to(x.dtype)
+            xhat = xc.to(torch.float32) * rc
+            y = xhat.to(x.dtype)
             if dw is not None:
                 dw += (gc * y).to(torch.float32).sum(0)
             # As autograd rounds it: the gradient of the 16-bit result, then of its fp32 source.
             g = (gc * weight).to(x.dtype).to(torch.float32)
-            xhat = xc.to(torch.float32) * rc
             dc.copy_(rc * (g - xhat * (g * xhat).mean(-1, keepdim=True)))
         return dx, None if dw is None else dw.to(weight.dtype), None
 
@@ -106,16 +107,12 @@ def lean_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
     return type(self).forward(self, hidden_states)
 
 
-_SOURCE_CACHE: dict[type, str] = {}
-
-
+@functools.cache
 def _forward_source(cls: type) -> str:
-    if cls not in _SOURCE_CACHE:
-        try:
-            _SOURCE_CACHE[cls] = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            _SOURCE_CACHE[cls] = ""
-    return _SOURCE_CACHE[cls]
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def is_swiglu_mlp(m: nn.Module) -> bool:
