@@ -36,15 +36,53 @@ def train_phase(config_path: str, overrides: list[str]) -> dict:
     return phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), None).model_dump(mode="json")
 
 
-def _train_child(config_path: str, overrides: list[str], log_path: str, report_path: str, env: dict[str, str]
-                 ) -> None:
+def install_spies() -> list[str]:
+    """Record, in the returned list, which technique's own code a run goes through: "hook" (the optimizer step in
+    backward), "chunked" (the chunked loss), "lean" (a lean-layer MLP), and the optimizer made ("fused" or its
+    class name). Patches memfit's modules in this process for good: for a child that ends with its run."""
+    from memfit import optim
+    from memfit.memory import lean_layers
+    from memfit.training import loss
+
+    used: list[str] = []
+    step, call, make, mlp = (optim.StepInBackward._step, loss.ChunkedLoss.__call__, optim.make_adamw,
+                             lean_layers.lean_mlp_forward)
+
+    def spy_step(self, p):
+        used.append("hook")
+        step(self, p)
+
+    def spy_call(self, model, batch):
+        used.append("chunked")
+        return call(self, model, batch)
+
+    def spy_make(*args, **kwargs):
+        opt = make(*args, **kwargs)
+        used.append("fused" if any(g.get("fused") for g in opt.param_groups) else type(opt).__name__)
+        return opt
+
+    def spy_mlp(self, x):
+        if not used or used[-1] != "lean":
+            used.append("lean")
+        return mlp(self, x)
+
+    lean_layers.lean_mlp_forward, optim.StepInBackward._step = spy_mlp, spy_step
+    loss.ChunkedLoss.__call__, optim.make_adamw = spy_call, spy_make
+    return used
+
+
+def _train_child(config_path: str, overrides: list[str], log_path: str, report_path: str, env: dict[str, str],
+                 spy: bool) -> None:
     os.environ.update(env)
     # The child's stdout, stderr and memfit's INFO log go to one file (the fork server's are the parent's).
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
+    used = install_spies() if spy else None
     report = train_phase(config_path, overrides)
+    if used is not None:
+        report["code_used"] = used
     Path(report_path).write_text(json.dumps(report))
 
 
@@ -74,16 +112,19 @@ def stop_fork_server() -> None:
 class TrainChild:
     """`train_phase(config_path, overrides)` in a child process of its own; SIGKILL ends it as it would end
     `memfit run` (no handler, no atexit, the writer thread mid-way). Its log: `folder/NAME.log`; `env`: variables
-    set in the child only (MEMFIT_TEST_UPLOAD_DELAY to land a kill mid-upload)."""
+    set in the child only (MEMFIT_TEST_UPLOAD_DELAY to land a kill mid-upload); `spy`: the report's "code_used" is
+    what `install_spies` recorded. A child of the fork server shares no thread with the caller: a test process's
+    leftover threads (Prefect's, botocore's retries) draw from Python's global `random`, whose state a training
+    checkpoint holds, so an uninterrupted run to compare against runs in a child too."""
 
     def __init__(self, config_path: str, overrides: list[str], folder: Path, name: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, spy: bool = False) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.log_path, self.report_path = folder / f"{name}.log", folder / f"{name}.json"
         self.report_path.unlink(missing_ok=True)
         self.proc = _train_context().Process(target=_train_child, name=f"memfit-train-{name}", daemon=True,
                                              args=(config_path, overrides, str(self.log_path), str(self.report_path),
-                                                   env or {}))
+                                                   env or {}, spy))
         self.t0 = time.monotonic()
         self.proc.start()
 

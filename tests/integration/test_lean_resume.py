@@ -54,46 +54,14 @@ def _overrides(root: Path, option: str) -> list[str]:
                                    "tracking.backend": "null", "train.num_threads": 1, **OPTIONS[option]})
 
 
-def _spy(monkeypatch) -> list[str]:
-    from memfit import optim
-    from memfit.memory import lean_layers
-    from memfit.training import loss
-
-    used: list[str] = []
-    step, call, make = optim.StepInBackward._step, loss.ChunkedLoss.__call__, optim.make_adamw
-    mlp = lean_layers.lean_mlp_forward
-
-    def spy_step(self, p):
-        used.append("hook")
-        step(self, p)
-
-    def spy_call(self, model, batch):
-        used.append("chunked")
-        return call(self, model, batch)
-
-    def spy_make(*args, **kwargs):
-        opt = make(*args, **kwargs)
-        used.append("fused" if any(g.get("fused") for g in opt.param_groups) else type(opt).__name__)
-        return opt
-
-    def spy_mlp(self, x):
-        if not used or used[-1] != "lean":
-            used.append("lean")
-        return mlp(self, x)
-
-    monkeypatch.setattr(lean_layers, "lean_mlp_forward", spy_mlp)
-    monkeypatch.setattr(optim.StepInBackward, "_step", spy_step)
-    monkeypatch.setattr(loss.ChunkedLoss, "__call__", spy_call)
-    monkeypatch.setattr(optim, "make_adamw", spy_make)
-    return used
-
-
-def _straight(option: str, tmp_path: Path, monkeypatch) -> Path:
-    """The uninterrupted run, in this process (the spy sees which code ran), through the function the children
-    run; its final training checkpoint."""
-    used = _spy(monkeypatch)
-    straight = kill_child.train_phase(TINY, _overrides(tmp_path / "straight", option))
+def _straight(option: str, tmp_path: Path) -> Path:
+    """The uninterrupted run, in a child of its own like the killed one (no thread of this test process touches
+    its RNG), through the same function; its final training checkpoint."""
+    child = kill_child.TrainChild(TINY, _overrides(tmp_path / "straight", option), tmp_path, "straight", spy=True)
+    straight = child.finish(timeout=300)
+    assert straight is not None, f"the uninterrupted run failed:\n{child.log[-3000:]}"
     assert straight["final_train_loss"] < straight["initial_val_loss"]  # it trains, as the default does
+    used = straight["code_used"]
     assert MARKER[option] in used, f"{option} was not what the run used: {used[:3]}"
     return tmp_path / "straight" / "checkpoints" / step_prefix(MAX_STEPS)
 
@@ -125,10 +93,10 @@ def _killed_and_rerun(option: str, tmp_path: Path, watch: str, **env: str) -> tu
 
 @pytest.mark.parametrize("option", [*(o for o in OPTIONS if o != "adamw-cpu-offload"),
                                     pytest.param("adamw-cpu-offload", marks=ON_CUDA)])
-def test_sigkilled_after_a_committed_training_checkpoint_and_rerun_ends_bitwise_equal(option, tmp_path, monkeypatch):
+def test_sigkilled_after_a_committed_training_checkpoint_and_rerun_ends_bitwise_equal(option, tmp_path):
     if option in NEEDS:
         pytest.importorskip(NEEDS[option])
-    straight = _straight(option, tmp_path, monkeypatch)
+    straight = _straight(option, tmp_path)
     left, _, final = _killed_and_rerun(option, tmp_path, f"{step_prefix(EVERY)}/manifest.json")
     assert left and EVERY <= left[-1] < MAX_STEPS, f"committed when killed: {left}"
     diffs = kill_child.training_checkpoint_differences(straight, final)
@@ -141,11 +109,11 @@ def test_sigkilled_after_a_committed_training_checkpoint_and_rerun_ends_bitwise_
         assert not torch.equal(ckpt.rng_tensors["torch"], torch.Generator().manual_seed(42).get_state())
 
 
-def test_sigkilled_mid_upload_the_half_written_checkpoint_is_never_used(tmp_path, monkeypatch):
+def test_sigkilled_mid_upload_the_half_written_checkpoint_is_never_used(tmp_path):
     """Killed while the first training checkpoint's files are uploading (its manifest not yet written): the rerun
     starts from scratch over that folder and still ends bitwise equal."""
     option = "adamw-8bit" if _has("bitsandbytes") else "adamw"  # 8-bit: the optimizer file unlike the others
-    straight = _straight(option, tmp_path, monkeypatch)
+    straight = _straight(option, tmp_path)
     half = step_prefix(EVERY)
     left, held, final = _killed_and_rerun(option, tmp_path, f"{half}/model.safetensors", MEMFIT_TEST_UPLOAD_DELAY="0.3")
     assert left == [] and f"{half}/model.safetensors" in held and f"{half}/manifest.json" not in held, held
