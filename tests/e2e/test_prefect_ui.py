@@ -38,7 +38,12 @@ def served(tmp_path_factory, prefect_home_template):
         args = [str(BIN / "memfit"), "serve", "configs/tiny.yaml", "--set", "train.max_steps=8",
                 "--set", "checkpoint.every_steps=4", "--set", "data.synthetic_docs=300", "--set", "export.onnx=false",
                 "--set", "tracking.experiment=ui-e2e"]
-        with process_group(args, env, tmp, tmp / "serve.log") as proc:
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        # Prefect's settings in this process, not only the environment: a test before this one in the same
+        # process (an xdist worker runs many) may have left a settings context naming its own server.
+        with process_group(args, env, tmp, tmp / "serve.log") as proc, \
+                temporary_settings(updates={PREFECT_API_URL: api}):
             os.environ["PREFECT_API_URL"] = api
             try:
                 from prefect.client.orchestration import get_client
