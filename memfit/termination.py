@@ -140,6 +140,17 @@ class ExitGuard:
 
 
 def _run_exit_functions() -> None:
+    """What a normal interpreter exit runs, in its order, but leaving to `exit` the os._exit at the end.
+
+    First the callbacks libraries register with `threading._register_atexit`, which `threading._shutdown` runs
+    before any `atexit` function: Prefect drains its log and event workers there. Skipping them left those to
+    `logging.shutdown`, the last `atexit` function, after the ephemeral server's stop: the flow run's last
+    log lines were lost and the exit waited out Prefect's 5 s flush timeout against a stopped server."""
+    for callback in list(getattr(threading, "_threading_atexits", ())):  # CPython's list for those callbacks
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - an at-exit failure must not change the exit code
+            log.debug("threading at-exit callback failed", exc_info=True)
     try:
         atexit._run_exitfuncs()
     except Exception:  # noqa: BLE001 - an at-exit failure must not change the exit code

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +18,10 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_memfit_run_tiny_json(tmp_path):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def test_memfit_run_tiny_json(tmp_path, prefect_home_template):
+    home = tmp_path / "prefect-home"  # this run's flow run alone in its database
+    shutil.copytree(prefect_home_template, home)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(home)}
     env.pop("MLFLOW_TRACKING_URI", None)
     # Run from a fresh folder with the shipped config: defaults put MLflow and outputs under the cwd.
     (tmp_path / "configs").symlink_to(REPO / "configs")
@@ -59,6 +63,12 @@ def test_memfit_run_tiny_json(tmp_path):
     ckpts = sorted(p.name for p in Path(out["checkpoint_uri"]).iterdir()) if not out["checkpoint_uri"].startswith(
         "s3://") else []
     assert ckpts[-1] == "step-00000060"
+    # The Prefect UI shows the flow run's log to its last line: Prefect's log worker is drained at exit while
+    # the ephemeral server still runs (before, the last lines were lost against the stopped server).
+    with sqlite3.connect(home / "prefect.db") as db:
+        flow_lines = [m for (m,) in db.execute("SELECT message FROM log WHERE name = 'prefect.flow_runs' "
+                                                  "ORDER BY timestamp")]
+    assert flow_lines and flow_lines[-1] == "Finished in state Completed()", flow_lines[-3:]
 
 
 def test_sigkilled_run_takes_its_ephemeral_prefect_server_along(tmp_path):
