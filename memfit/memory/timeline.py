@@ -14,6 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memfit.memory.tracker import import_tools_module
+
 # What a byte is held for. Pre-existing state is adopted with its category; what the step allocates is
 # classified after it (`StepTimeline.classify`), since only then is it known what survived the forward.
 CATEGORIES = ("parameter", "buffer", "gradient", "optimizer", "activation", "recompute", "temporary", "other")
@@ -110,7 +112,7 @@ class StepTimeline(LiveBytes):
 
     def __init__(self, model: nn.Module, device: torch.device | None = None) -> None:
         super().__init__(device)
-        from torch.distributed._tools.mod_tracker import ModTracker
+        ModTracker = import_tools_module("mod_tracker").ModTracker  # noqa: N806 - the class, as torch names it
 
         self.model = model
         self.allocs: list[Alloc] = []

@@ -89,3 +89,16 @@ def _servers_of(home: Path) -> list[int]:
         except psutil.Error:
             pass
     return found
+
+
+def test_the_memory_tracker_loads_without_the_rest_of_torchs_tools_package():
+    """memfit needs MemTracker and ModTracker from torch.distributed._tools; the package's __init__ also imports
+    the runtime estimator and with it torch._inductor (≈ 1.3 s before every run's first step). The package,
+    imported later, is still the real one, with the classes memfit already holds."""
+    check = ("import sys; import memfit.memory.tracker as tr, memfit.memory.timeline; "
+             "assert 'torch._inductor' not in sys.modules, 'torch._inductor was imported'; "
+             "import torch.distributed._tools as tools; "
+             "assert tools.MemTracker is tr.MemTracker and hasattr(tools, 'FSDPMemTracker'); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", check], env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
