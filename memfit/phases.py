@@ -16,6 +16,7 @@ from memfit.config import MemfitConfig
 from memfit.datacache import cached_data
 from memfit.env import environment_report, pin_threads, resolve_device
 from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryBudgetError, MemoryLimitError, Preempted
+from memfit.memory.plan_cache import cache_path, load_plan, plan_key, store_plan
 from memfit.memory.policies import make_policy
 from memfit.memory.probe import explain_oom, measure_step, verdict, weights_to_device
 from memfit.memory.search import estimate_policy, plan_for, plan_table_markdown, resolve_budget, target_profile
@@ -86,12 +87,29 @@ def check_environment_and_probe(cfg: MemfitConfig) -> ProbeReport:
 
 # -- phase 2 ------------------------------------------------------------------------------------------
 def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
-    """Choose the optimisation stack with the memory planner (or estimate a fixed memory.policy)."""
+    """Choose the optimisation stack with the memory planner (or estimate a fixed memory.policy); the same
+    config, device, architecture and code as a run before in this work folder reuse its plan."""
     device = probe_report.environment["device"]
     if cfg.memory.policy == "offload" and device["type"] != "cuda":
         make_policy("offload").apply(torch.nn.Linear(1, 1))  # raises the policy's own clear error
     profile = target_profile(cfg.memory, device)
     budget, source = resolve_budget(cfg.memory, profile, device)
+    cached = cache_path(cfg.run.work_dir, plan_key(cfg, profile, budget, source, probe_report.architecture))
+    report = load_plan(cached)
+    if report is None:
+        report = _plan(cfg, probe_report, profile, budget, source)
+        store_plan(cached, report)
+    log.info("optimisation stack: %s (%s)", report.description, report.reason)
+    log.info("memory plan candidates:\n%s", report.table_markdown)
+    from memfit.distributed.planning import plan_distributed
+
+    # Several ranks: the strategy (DDP, FSDP2, ZeRO) and the bytes each rank holds under it.
+    return plan_distributed(cfg, probe_report, report)
+
+
+def _plan(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: int | None, source: str
+          ) -> PlanReport:
+    device = probe_report.environment["device"]
     plan = plan_for(cfg, profile, budget, source, hf_config=_hf_config(probe_report.architecture))
     weights = plan.chosen.weight_bytes if plan.chosen is not None else None
     if not plan.fits and (cfg.memory.policy == "auto" or (budget is not None and weights and weights > budget)):
@@ -105,10 +123,8 @@ def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
             and not device["bf16_supported"]:
         raise ConfigError(f"train.precision={chosen.stack.precision}: {device['name']} has no bf16; use fp16-mixed")
     policy = plan_policy(cfg, chosen.policy, chosen.every_k, chosen.kinds)
-    log.info("optimisation stack: %s (%s)", policy.describe(), plan.reason)
-    log.info("memory plan candidates:\n%s", plan_table_markdown(plan))
     row = plan.row(chosen)
-    report = PlanReport(policy=chosen.policy, every_k=chosen.every_k or cfg.memory.every_k,
+    return PlanReport(policy=chosen.policy, every_k=chosen.every_k or cfg.memory.every_k,
                       precision=chosen.stack.precision, micro_batch_size=chosen.stack.micro_batch_size,
                       grad_accum_steps=chosen.stack.grad_accum_steps, reason=plan.reason,
                       description=policy.describe(), block_kinds=list(chosen.kinds), lora=chosen.stack.lora,
@@ -119,10 +135,6 @@ def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
                       predicted_overhead=row["predicted_overhead"], budget_bytes=budget, budget_source=source,
                       alternatives=[plan.row(e) for e in plan.table if e is not chosen],
                       table_markdown=plan_table_markdown(plan))
-    from memfit.distributed.planning import plan_distributed
-
-    # Several ranks: the strategy (DDP, FSDP2, ZeRO) and the bytes each rank holds under it.
-    return plan_distributed(cfg, probe_report, report)
 
 
 # -- phase 4, run before phase 3 ---------------------------------------------------------------------
