@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -60,6 +61,7 @@ def _layout(module: nn.Module) -> list:
     return rows
 
 
+@functools.cache  # the code this process imported, even if the files change under it
 def _code_digest() -> str:
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
@@ -199,7 +201,11 @@ def load(key: str, wrapper: nn.Module) -> Any | None:
         except (TypeError, RuntimeError) as e:
             raise CacheMismatch(f"initializer {name}: {e}") from e
     for name, value in inits.items():
-        if name not in weights and value.const_value is None:
+        if name in weights:
+            continue
+        if name in tensors:  # a model tensor the entry would replace by a stored value
+            raise CacheMismatch(f"initializer {name} is a tensor of the model but cached as a constant")
+        if value.const_value is None:
             raise CacheMismatch(f"the cached constant {name} has no data")
     return torch.onnx.ONNXProgram(model, None)
 

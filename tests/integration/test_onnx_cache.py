@@ -121,7 +121,9 @@ def test_key_changes_with_architecture_not_weights():
     assert key(_model("tiny-llama", 1)) == base
     assert key(_model("tiny-llama", 0, layers=3)) != base
     assert key(_model("tiny-llama", 0, vocab=128)) != base
-    assert key(_model("tiny-gpt2", 0)) != base
+    tied, untied = _model("tiny-gpt2", 0), _model("tiny-gpt2", 0)
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    assert key(tied) != base and key(untied) != key(tied)  # same config, another tensor layout
     assert onnx_cache.graph_key(ex.LogitsOnly(_model("tiny-llama", 0)), _model("tiny-llama", 0),
                                 ex.EXAMPLE_SHAPE, 18) != base
 
