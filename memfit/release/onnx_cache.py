@@ -221,8 +221,12 @@ def build(wrapper: nn.Module, model: nn.Module, example: torch.Tensor, opset: in
             log.warning("cached ONNX graph %s does not fit %s (%s); doing a full export", key[:12], label, e)
             program = None
         if program is not None:
-            program.optimize()
-            return program, "cache"
+            try:
+                program.optimize()
+                return program, "cache"
+            except Exception as e:  # noqa: BLE001 - whatever breaks on the cached path, the full export decides
+                log.warning("optimizing the cached ONNX graph %s for %s failed (%s: %s); doing a full export",
+                            key[:12], label, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
     program = trace(wrapper, example, opset, label)
     store(key, program, wrapper)
     program.optimize()  # what torch.onnx.export(optimize=True) runs, in the same place (byte-identical file)

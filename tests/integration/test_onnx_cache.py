@@ -190,3 +190,23 @@ def test_entry_with_wrong_weight_shape_falls_back(cache, tmp_path, caplog):
 
     assert res.graph_source == "export" and _matches(model, tmp_path / "model.onnx")
     assert any("does not fit" in r.getMessage() and name in r.getMessage() for r in caplog.records)
+
+
+def test_cached_graph_the_optimizer_rejects_falls_back(cache, tmp_path, monkeypatch, caplog):
+    loaded = onnx_cache.load
+
+    def load_then_break(key, wrapper):
+        program = loaded(key, wrapper)
+        # An entry that parses and maps but breaks the optimizer: drop the node producing the logits.
+        graph = program.model.graph
+        graph.remove(graph.outputs[0].producer(), safe=False)
+        return program
+
+    monkeypatch.setattr(onnx_cache, "load", load_then_break)
+    model = _model("tiny-llama", 7)
+
+    with caplog.at_level(logging.WARNING, logger="memfit.release"):
+        res = ex.export_onnx(model, tmp_path / "model.onnx")
+
+    assert res.graph_source == "export" and _matches(model, tmp_path / "model.onnx")
+    assert any(r.name == "memfit.release" and "full export" in r.getMessage() for r in caplog.records)
