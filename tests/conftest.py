@@ -17,6 +17,8 @@ os.environ.update({
     "TOKENIZERS_PARALLELISM": "false",
     "AWS_EC2_METADATA_DISABLED": "true",
     "PREFECT_HOME": str(_HOME / "prefect"),
+    # The ONNX graph cache (memfit/release/onnx_cache.py): shared by the session's exports, never ~/.cache.
+    "MEMFIT_CACHE_DIR": str(_HOME / "cache"),
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     "PREFECT_LOGGING_EXTRA_LOGGERS": "memfit",
     # `mlflow server`/`mlflow ui` otherwise start a job runner and ~7 huey consumer processes (MLflow's GenAI

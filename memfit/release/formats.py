@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import datetime as _dt
-import io
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from torch import nn
 import memfit
 from memfit.errors import ExportError
 from memfit.files import commit_folder, file_record, fsync_tree, probe_writable, sha256_file, temporary_sibling
+from memfit.release import onnx_cache
 from memfit.release.parity import ParityCriteria, ShapeParity, parity_failure, shape_parity
 
 MANIFEST_NAME = "memfit-export.json"
@@ -33,6 +33,7 @@ DEFAULT_SHAPES = ((1, 8), (2, 16), (3, 5))
 # 1.5 GiB of initializers; we decide from the parameter bytes with the same margin so the choice is
 # ours and recorded, not a side effect.
 EXTERNAL_DATA_BYTES = int(1.5 * 1024**3)
+log = logging.getLogger("memfit.release")
 
 
 @dataclass
@@ -53,6 +54,8 @@ class OnnxExport:
     per_shape: list[ShapeParity] | None = None
     metadata_path: str | None = None
     criteria: ParityCriteria | None = None
+    # "cache": the graph came from the ONNX graph cache (onnx_cache.py) with these weights; "export": traced.
+    graph_source: str = "export"
 
 
 def prepare_for_inference(model: nn.Module) -> nn.Module:
@@ -269,6 +272,19 @@ def _verify(path: Path, model: nn.Module, shapes, criteria: ParityCriteria, labe
     return figures
 
 
+def _save_checked(program, staged: Path, external: bool, out_path: Path) -> int:
+    """Save `program` at `staged`, check it with onnx.checker; returns its opset."""
+    import onnx
+
+    program.save(staged, external_data=external)
+    try:
+        onnx.checker.check_model(str(staged))  # by path, so external data is found and > 2 GB is allowed
+    except onnx.checker.ValidationError as e:
+        raise ExportError(f"the exported ONNX model for {out_path} fails onnx.checker: {e}") from e
+    proto = onnx.load(str(staged), load_external_data=False)
+    return int(next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")))
+
+
 def export_onnx(
     model,
     out_path: str | Path,
@@ -282,9 +298,9 @@ def export_onnx(
 
     The model is prepared for inference in place; the export itself runs on an fp32 CPU copy if
     the model is not fp32 on CPU. On any failure nothing is left at `out_path` (an older file stays).
+    A graph exported before for the same architecture comes from the ONNX graph cache (onnx_cache.py)
+    and is verified the same way; if it does not fit or fails verification, a full export is done.
     """
-    import onnx
-
     out_path = Path(out_path).absolute()
     shapes = [(int(b), int(s)) for b, s in shapes]
     if not shapes or any(b < 1 or s < 1 for b, s in shapes):
@@ -306,37 +322,24 @@ def export_onnx(
     with _staging(out_path, "ONNX export") as tmp:
         tmp.mkdir()
         example = sample_ids(_vocab_size(src), *example_shape, seed=0)
-        log = io.StringIO()
-        try:
-            # The dynamo exporter reports progress on stdout; keep it for the error message only.
-            with contextlib.redirect_stdout(log):
-                program = torch.onnx.export(
-                    LogitsOnly(src).eval(),
-                    (example,),
-                    dynamo=True,
-                    input_names=["input_ids"],
-                    output_names=["logits"],
-                    # Named strings become Dim.DYNAMIC and also name the ONNX axes "batch"/"sequence".
-                    dynamic_shapes={"input_ids": {0: "batch", 1: "sequence"}},
-                    verbose=False,
-                    **({"opset_version": opset} if opset is not None else {}),
-                )
-        except Exception as e:
-            raise ExportError(
-                f"torch.onnx.export (dynamo) failed for {type(model).__name__} -> {out_path}: {e}\n"
-                f"{log.getvalue()[-2000:]}"
-            ) from e
+        wrapper = LogitsOnly(src).eval()
+        label = f"{type(model).__name__} -> {out_path}"
         staged = tmp / out_path.name
-        program.save(staged, external_data=external)
-        del program
+        checked_as = f"{out_path} (not written)"
+        program, source = onnx_cache.build(wrapper, src, example, opset, label)
         try:
-            onnx.checker.check_model(str(staged))  # by path, so external data is found and > 2 GB is allowed
-        except onnx.checker.ValidationError as e:
-            raise ExportError(f"the exported ONNX model for {out_path} fails onnx.checker: {e}") from e
-        proto = onnx.load(str(staged), load_external_data=False)
-        opset_found = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
-        del proto
-        per_shape = _verify(staged, src, shapes, criteria, label=f"{out_path} (not written)")
+            opset_found = _save_checked(program, staged, external, out_path)
+            per_shape = _verify(staged, src, shapes, criteria, label=checked_as)
+        except ExportError as e:
+            if source != "cache":
+                raise
+            # A cache must never change what a user gets: redo it the long way, which also rewrites the entry.
+            log.warning("the ONNX graph from the cache failed its checks (%s); doing a full export",
+                        str(e).splitlines()[0])
+            program, source = onnx_cache.build(wrapper, src, example, opset, label, use_cache=False)
+            opset_found = _save_checked(program, staged, external, out_path)
+            per_shape = _verify(staged, src, shapes, criteria, label=checked_as)
+        del program
         diff = max(p.max_abs_diff for p in per_shape)
         digest = sha256_file(staged)
         has_data = (tmp / data_name).exists()
@@ -353,6 +356,7 @@ def export_onnx(
             "parity_criteria": asdict(criteria),
             "parity": [p.to_dict() for p in per_shape],
             "external_data": has_data,
+            "graph_source": source,
             "metadata": metadata or {},
             "files": files,
         }
@@ -379,4 +383,5 @@ def export_onnx(
         per_shape=per_shape,
         metadata_path=str(meta_path),
         criteria=criteria,
+        graph_source=source,
     )
