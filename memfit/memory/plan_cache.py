@@ -7,6 +7,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,6 @@ def code_fingerprint() -> str:
 def plan_key(cfg: Any, profile: Any, budget: int | None, source: str, architecture: dict[str, Any]) -> str:
     """The whole resolved config (what the plan reads is spread over most of it), the target device's profile,
     the budget and where it came from, the model's architecture and the code fingerprint."""
-    from dataclasses import asdict
-
     parts = {"config": cfg.model_dump(mode="json"), "profile": asdict(profile), "budget": budget, "source": source,
              "architecture": architecture, "code": code_fingerprint()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
