@@ -30,14 +30,16 @@ def relevant_environment(environ: dict[str, str] | None = None) -> dict[str, str
             if k.startswith(_ENV_PREFIXES)}
 
 
+def package_version(name: str) -> str | None:
+    """The installed version of distribution `name`; None when it is not installed."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def library_versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for name in _LIBRARIES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    return {name: package_version(name) for name in _LIBRARIES}
 
 
 def resolve_device(requested: str = "auto") -> torch.device:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from memfit.env import package_version
 from memfit.files import write_json_atomic
 from memfit.reports import PlanReport
 
@@ -28,11 +28,7 @@ def code_fingerprint() -> str:
     for path in sorted(_PACKAGE.rglob("*.py")):
         h.update(str(path.relative_to(_PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
     for name in _LIBRARIES:
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            version = "-"
-        h.update(f"{name}={version}\0".encode())
+        h.update(f"{name}={package_version(name) or '-'}\0".encode())
     return h.hexdigest()
 
 

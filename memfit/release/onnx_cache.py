@@ -9,15 +9,15 @@ import io
 import json
 import logging
 import os
-import tempfile
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from memfit.env import package_version
 from memfit.errors import ExportError
+from memfit.files import atomic_path
 
 log = logging.getLogger("memfit.release")
 
@@ -70,13 +70,6 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def graph_key(wrapper: nn.Module, model: nn.Module, example_shape: tuple[int, int], opset: int | None) -> str:
     """sha256 of everything the exported graph depends on; the weights' values are not part of it."""
     config = getattr(model, "config", None)
@@ -92,7 +85,7 @@ def graph_key(wrapper: nn.Module, model: nn.Module, example_shape: tuple[int, in
         "opset": opset,
         "dynamic_shapes": DYNAMIC_SHAPES,
         "names": [INPUT_NAMES, OUTPUT_NAMES],
-        "versions": {d: _version(d) for d in _VERSIONED},
+        "versions": {d: package_version(d) for d in _VERSIONED},
         "code": _code_digest(),
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
@@ -147,14 +140,8 @@ def store(key: str, program, wrapper: nn.Module) -> bool:
     folder = cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(proto.SerializeToString())
-            os.replace(tmp, folder / f"{key}.onnx")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(folder / f"{key}.onnx") as tmp:
+            tmp.write_bytes(proto.SerializeToString())
     except OSError as e:
         log.warning("could not write the ONNX graph cache entry in %s (%s); exports still work, uncached", folder, e)
         return False
