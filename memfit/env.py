@@ -124,8 +124,17 @@ def environment_report(device: torch.device, disk_path: str | os.PathLike[str] =
     }
 
 
+def default_threads() -> int:
+    """OMP_NUM_THREADS when it is set (torchrun, a batch scheduler or a test runner sharing out the cores),
+    else the cores, at most 4."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def pin_threads(num_threads: int | None) -> int:
     """Pin torch's CPU threads: a thread-count change alone changes float sums (FACTS: 4e-6)."""
-    n = num_threads or max(1, min(4, os.cpu_count() or 1))
+    n = num_threads or default_threads()
     torch.set_num_threads(n)
     return n

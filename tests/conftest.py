@@ -27,6 +27,11 @@ os.environ.update({
 })
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# Under pytest-xdist each worker gets its share of the cores, in this process (torch reads OMP_NUM_THREADS when it
+# is first imported, below) and in every `memfit run` it starts (memfit.env.default_threads): two workers each
+# running torch on every core spin for threads the other holds (serial suite 2723 CPU s, `-n 2` 3391).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "").isdigit():
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 # A developer shell or pod with the spot watcher on must not make tests poll the cloud metadata service.
 for _name in ("MEMFIT_SPOT_WATCHER", "MEMFIT_SPOT_METADATA_URL", "MEMFIT_TEST_UPLOAD_DELAY"):
     os.environ.pop(_name, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ BIN = Path(sys.executable).parent
 PAGE = REPO / "docs" / "serving.md"
 
 
-def test_serve_the_champion_section_runs_as_written(tmp_path):
+def test_serve_the_champion_section_runs_as_written(tmp_path, prefect_home_template):
     import re
 
     text = PAGE.read_text()
@@ -28,6 +29,7 @@ def test_serve_the_champion_section_runs_as_written(tmp_path):
     (tmp_path / "configs").symlink_to(REPO / "configs")
     # Same commands, another port: nothing else on this machine may be listening on the default.
     script = "set -euo pipefail\n" + "\n".join(blocks).replace("8000", str(free_port()))
+    shutil.copytree(prefect_home_template, tmp_path / "prefect-home")  # migrated once per session
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1",
            "PREFECT_HOME": str(tmp_path / "prefect-home")}
     for var in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):

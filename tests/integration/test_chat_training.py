@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,13 +73,14 @@ def test_padding_free_run_killed_after_a_checkpoint_resumes_bitwise(tmp_path, mo
 
 
 @pytest.fixture(scope="module")
-def chat_run(tmp_path_factory):
+def chat_run(tmp_path_factory, prefect_home_template):
     """`memfit run configs/chat.yaml` on a generated messages .jsonl, as a user types it (a real process)."""
     root = tmp_path_factory.mktemp("chat-run")
     data = messages_jsonl(root / "conversations.jsonl", 400, seed=3)
     sets = tiny_overrides(root, None, **{"data.path": str(data), "train.max_steps": 40, "checkpoint.every_steps": 20,
                                          "export.onnx": False, "data.heldout_prompts": 3})
     args = [a for s in sets for a in ("--set", s)]
+    shutil.copytree(prefect_home_template, root / "prefect")  # migrated once per session
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(root / "prefect")}
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.run([sys.executable, "-m", "memfit.cli", "run", str(CHAT), "--json", *args], cwd=root,
