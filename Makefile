@@ -31,12 +31,12 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/memfit run $(CONFIG)
 
-# Lint first (under a second): style slips fail CI like a failing test. One pytest process by default;
-# TEST_WORKERS=2 runs two pytest-xdist workers, a test file the unit of work (the files that kill runs or time
-# themselves share one: TIMED_FILES in tests/conftest.py). On the shared 2-core machine two workers did not
-# pay (docs/testing.md has the figures); measure before making it the default. The 30 slowest tests are listed
-# at the end, so every CI log says where the suite's time goes.
-TEST_WORKERS ?= 0
+# Lint first (under a second): style slips fail CI like a failing test. Two pytest-xdist workers by default, a
+# test file the unit of work (the files that kill runs or time themselves share one: TIMED_FILES in
+# tests/conftest.py), each worker and the runs it starts with its share of the cores (OMP_NUM_THREADS). On
+# 2 cores, back to back: one process 2367 s, two workers 1672 s (docs/testing.md). TEST_WORKERS=0: one process.
+# The 30 slowest tests are listed at the end, so every CI log says where the suite's time goes.
+TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30
 
