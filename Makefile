@@ -34,7 +34,7 @@ run: $(STAMP)
 # Lint first (under a second): style slips fail CI like a failing test. Two pytest-xdist workers by default, a
 # test file the unit of work (the files that kill runs or time themselves share one: TIMED_FILES in
 # tests/conftest.py), each worker and the runs it starts with its share of the cores (OMP_NUM_THREADS). On
-# 2 cores, back to back: one process 2367 s, two workers 1672 s (docs/testing.md). TEST_WORKERS=0: one process.
+# 2 cores, 2026-12-02: one process 2367 s, two workers 1459 s (docs/testing.md). TEST_WORKERS=0: one process.
 # The 30 slowest tests are listed at the end, so every CI log says where the suite's time goes.
 TEST_WORKERS ?= 2
 test: lint
