@@ -102,7 +102,7 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present, else CPU.")
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads; pinned so CPU runs repeat bitwise. "
-                                "Default: OMP_NUM_THREADS if set, else cores, max 4.")
+                                "Default: OMP_NUM_THREADS if set, else the cores (split among a node's ranks), max 4.")
     log_every_steps: int = Field(1, ge=1, description="Metrics are recorded every N optimizer steps.")
     eval_batches: int = Field(8, ge=1, description="Validation micro-batches used for loss/perplexity.")
 

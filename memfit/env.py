@@ -124,13 +124,13 @@ def environment_report(device: torch.device, disk_path: str | os.PathLike[str] =
     }
 
 
-def default_threads() -> int:
+def default_threads(processes: int = 1) -> int:
     """OMP_NUM_THREADS when it is set (torchrun, a batch scheduler or a test runner sharing out the cores),
-    else the cores, at most 4."""
+    else an even share of the cores among `processes` (the ranks of this node), at most 4."""
     given = os.environ.get("OMP_NUM_THREADS", "").strip()
     if given.isdigit() and int(given) > 0:
         return int(given)
-    return max(1, min(4, os.cpu_count() or 1))
+    return max(1, min(4, (os.cpu_count() or 1) // max(1, processes)))
 
 
 def pin_threads(num_threads: int | None) -> int:

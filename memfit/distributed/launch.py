@@ -148,10 +148,11 @@ def run_torchrun(cfg: MemfitConfig, job: Job, stop: threading.Event | None = Non
     cmd = torchrun_command(cfg, job_path)
     log.info("launching %d processes on this node (%d in all, strategy %s): %s", cfg.distributed.nproc_per_node,
              cfg.distributed.world_size, job.plan.get("strategy"), " ".join(cmd))
+    from memfit.env import default_threads
+
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # Ranks share the cores (the worker pins torch's threads the same way); set here, torchrun skips its banner.
-    env.setdefault("OMP_NUM_THREADS", str(cfg.train.num_threads or max(
-        1, min(4, (os.cpu_count() or 1) // cfg.distributed.nproc_per_node))))
+    env.setdefault("OMP_NUM_THREADS", str(cfg.train.num_threads or default_threads(cfg.distributed.nproc_per_node)))
     tail: collections.deque[str] = collections.deque(maxlen=40)
     # torchrun gets its own session (a terminal's Ctrl-C must reach the ranks only through us) and is tied to
     # this process's life: a killed flow process does not leave torchrun and its ranks running.

@@ -47,13 +47,14 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event, save_req
     from memfit.datacache import cached_data
     from memfit.distributed.launch import REPORT_FILE, RUN_ID_FILE
     from memfit.distributed.strategies import DEEPSPEED_STRATEGIES, TORCH_STRATEGIES
-    from memfit.env import pin_threads
+    from memfit.env import default_threads, pin_threads
     from memfit.tracking import NullTracker, make_tracker
     from memfit.training.loop import Trainer
 
     d, jdir = cfg.distributed, Path(job.job_dir)
-    # Ranks share the machine's cores: an even split unless train.num_threads says otherwise.
-    pin_threads(cfg.train.num_threads or max(1, min(4, (os.cpu_count() or 1) // d.nproc_per_node)))
+    # Ranks share the machine's cores: train.num_threads, else OMP_NUM_THREADS (run_torchrun sets it to an
+    # even split unless it was set), else an even split.
+    pin_threads(cfg.train.num_threads or default_threads(d.nproc_per_node))
     resume = ResumePoint(**job.resume)
     plan = PlanReport(**_agree(info, job.plan, resume))
     if plan.strategy not in (*TORCH_STRATEGIES, *DEEPSPEED_STRATEGIES):

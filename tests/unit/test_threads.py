@@ -34,3 +34,12 @@ def test_the_config_wins_over_omp_num_threads(monkeypatch):
 def test_without_a_usable_omp_num_threads_the_cores_at_most_four(monkeypatch, value):
     monkeypatch.setenv("OMP_NUM_THREADS", value)
     assert default_threads() == max(1, min(4, os.cpu_count() or 1))
+
+
+def test_ranks_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = os.cpu_count() or 1
+    assert default_threads(2) == max(1, min(4, cores // 2))
+    assert default_threads(cores * 2) == 1  # never zero threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads(2) == 3
