@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,18 +70,6 @@ def log_generations(tracker: Tracker, rows: list[dict[str, Any]], step: int,
     table = {key: [r[key] for r in rows] for key in rows[0]}
     table["step"] = [step] * len(rows)
     tracker.log_table(table, name)
-
-
-def log_loss_curve(tracker: Tracker, run_name: str) -> None:
-    """plots/loss_curve.png from the run's own metric history (so it spans every resumed segment)."""
-    from memfit.plots import loss_curve
-
-    train, val = tracker.metric_history("loss"), tracker.metric_history("val_loss")
-    if not train and not val:
-        return
-    with tempfile.TemporaryDirectory(prefix="memfit-plots-") as tmp:
-        tracker.log_artifact(loss_curve(train, val, Path(tmp) / "loss_curve.png", title=f"{run_name}: loss"),
-                             "plots")
 
 
 def run_description(report: dict[str, Any]) -> str:

@@ -259,7 +259,9 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
     ppl = perplexity(val_loss)
     samples = generate_samples(model, inputs.tokenizer, cfg.eval.prompts, cfg.eval.max_new_tokens, device)
     heldout = generate_heldout(model, inputs.tokenizer, data.heldout, cfg.eval.max_new_tokens, device)
-    tracker = make_tracker(cfg.tracking)
+    # In `memfit run` the tracking process phase 3 handed back (or the one started for this run): MLflow's work
+    # (model logging, registry, plots) runs there, with the store already open; elsewhere, in this process.
+    tracker = make_tracker(cfg.tracking, prestarted=True)
     run_id = tracker.start_run(cfg.run.name, run_id=train_report.mlflow_run_id or None)
     try:
         step = train_report.steps

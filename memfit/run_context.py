@@ -7,7 +7,6 @@ import json
 import logging
 import platform
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from memfit.memory.policies import apply_policy, make_policy
 from memfit.modeling import check_seq_len, load_model_and_tokenizer
 from memfit.preflight import open_checkpoint_store
 from memfit.reports import PlanReport, ProbeReport
+from memfit.tracking.records import on_tracker
 
 log = logging.getLogger("memfit.run_context")
 
@@ -136,7 +136,8 @@ def log_training_end(tracker: Any, plan: PlanReport, probe_report: ProbeReport |
         log.info("metric logging took %.3f%% of step time on the training thread (+%.3f%% in its writer thread)",
                  100 * overhead["tracking_overhead_fraction"], 100 * overhead["tracking_writer_fraction"])
         tracker.log_metrics(overhead, step=steps)
-    log_memory_figure(tracker, probe_report.baseline if probe_report else None, plan.model_dump())
+    # Made where the store is open (the tracking process in `memfit run`: no matplotlib here).
+    on_tracker(tracker, "log_memory_figure", probe_report.baseline if probe_report else None, plan.model_dump())
     close = getattr(tracker, "close", None)
     if close is not None:
         close()
@@ -199,12 +200,3 @@ def plan_table(plan: dict[str, Any], baseline: dict[str, Any] | None) -> str:
             lines += ["", str(baseline["message"])]
     return "\n".join(lines) + "\n"
 
-
-def log_memory_figure(tracker: Any, baseline: dict[str, Any] | None, plan: dict[str, Any] | None) -> None:
-    """plots/memory_breakdown.png: the baseline probe by kind, and the peak per step of the run so far."""
-    from memfit.plots import memory_breakdown
-
-    with tempfile.TemporaryDirectory(prefix="memfit-plots-") as tmp:
-        png = memory_breakdown(baseline, tracker.metric_history("memory_peak_bytes"),
-                               Path(tmp) / "memory_breakdown.png", plan=plan)
-        tracker.log_artifact(png, "plots")

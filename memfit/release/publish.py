@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from memfit.config import MemfitConfig
-from memfit.evaluation import log_loss_curve, run_description
+from memfit.evaluation import run_description
 from memfit.release.from_checkpoint import ExportFiles, export_model, onnx_redo_command, parity_criteria, upload_export
-from memfit.release.registry import publish
+from memfit.release.registry import RegistryOutcome
 from memfit.reports import ExportReport
 from memfit.tracking.mlflow_tracker import MLflowTracker
+from memfit.tracking.process import ProcessTracker
+from memfit.tracking.records import on_tracker
 
 log = logging.getLogger("memfit.release")
 
@@ -43,19 +45,20 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
         files.uploaded_uri = upload_export(files, target, meta)
         tags["memfit.export_uri"] = files.uploaded_uri
     outcome = None
-    if cfg.registry.enabled and isinstance(tracker, MLflowTracker):
-        tracker.flush()
+    if cfg.registry.enabled and isinstance(tracker, (MLflowTracker, ProcessTracker)):
         version_tags = {"memfit.source_checkpoint": str(meta["source_checkpoint"]), "memfit.step": str(step),
                         **({"memfit.onnx_max_abs_diff": str(files.onnx_max_abs_diff)} if files.onnx_path else {}),
                         **tags}
-        outcome = publish(tracker.client, tracker.tracking_uri, tracker.run_id, files.safetensors_dir, metrics,
-                          cfg.registry.model_name or cfg.run.name, cfg.eval.gate, cfg.registry.alias, version_tags)
+        # Where the store is open: the tracking process in `memfit run` (records.py).
+        outcome = RegistryOutcome(**on_tracker(
+            tracker, "publish", str(files.safetensors_dir), metrics, cfg.registry.model_name or cfg.run.name,
+            cfg.eval.gate.model_dump(), cfg.registry.alias, version_tags))
         tags.update({"memfit.gate": "passed" if outcome.gate_passed else "failed",
                      "memfit.gate.reason": outcome.gate_reason})
     elif cfg.registry.enabled:
         log.info("registry skipped: it needs the MLflow tracker (%s)", tracker.describe())
     log_export_artifacts(tracker, files, weights_in_model=outcome is not None)
-    log_loss_curve(tracker, cfg.run.name)
+    on_tracker(tracker, "log_loss_curve", cfg.run.name)
     summary = {"val_loss": round(metrics["val_loss"], 5), "val_perplexity": round(metrics["val_perplexity"], 4),
                "onnx_max_abs_diff": files.onnx_max_abs_diff, "onnx_error": files.onnx_error,
                "export": files.dir, "uploaded_to": files.uploaded_uri,

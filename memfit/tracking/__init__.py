@@ -15,7 +15,7 @@ def make_tracker(tracking_cfg, prestarted: bool = False) -> Tracker:
     """The configured tracker; an unreachable store fails (tracking.fail_if_unreachable) or warns and goes null.
 
     `prestarted`: use the tracking process `memfit run` started for this config, if there is one
-    (tracking/process.py); phase 3 does, so that MLflow never loads into the training process.
+    (tracking/process.py); phases 3 and 5 do, so that MLflow never loads into the training process.
     """
     if tracking_cfg.backend == "null":
         return NullTracker()

@@ -16,7 +16,8 @@ import sys
 import threading
 from typing import Any
 
-# The calls a parent may make; anything else is refused (the pipe carries data, never code).
+# The calls a parent may make: the Tracker Protocol's, and records.OPS (plots, the registry step) by name;
+# anything else is refused (the pipe carries data, never code).
 OPS = frozenset({"start_run", "log_params", "log_metrics", "set_tags", "log_text", "log_artifact", "log_table",
                  "log_dataset", "metric_history", "flush", "overhead", "close", "end_run"})
 EXIT_FLUSH_S = 10.0  # at most this long to write buffered metrics when the parent is gone
@@ -88,6 +89,16 @@ def main() -> None:
         try:
             if op == "exit":
                 break
+            if op == "records":  # [name, *args]: records.OPS[name](tracker, *args)
+                from memfit.tracking.records import OPS as RECORDS
+
+                name, *args = req.get("args", [])
+                if name not in RECORDS:
+                    raise ValueError(f"unknown tracking call records/{name!r}")
+                result = RECORDS[name](tracker, *args)
+                if rid is not None:
+                    _answer(out, out_lock, logs, {"id": rid, "ok": result})
+                continue
             if op not in OPS:
                 raise ValueError(f"unknown tracking call {op!r}")
             if op == "flush" and deferred is not None:

@@ -1,10 +1,11 @@
-"""Phase 3's MLflow tracker in a process of its own, started before torch imports, driven over a pipe.
+"""The run's MLflow tracker in a process of its own, started before torch imports, driven over a pipe.
 
 MLflow costs the training process ≈ 4 s of imports and store set-up before the first step, and its writer
 threads share that process's GIL with the training step. `memfit run` starts the tracking process (child.py)
 at once, beside the Prefect server, so both run on the other core while this one imports torch; phase 3
-takes it (`take`). Everything else (phase 5's registry, `memfit profile`, tests calling phases) keeps the
-in-process MLflowTracker: one tracker class does the MLflow work in either place.
+takes it (`take`), and hands it back at its end (`close`) for phase 5, which logs the model, registers it and
+draws the plots there (records.py). Everything else (`memfit profile`, `memfit export`, tests calling phases)
+keeps the in-process MLflowTracker: one tracker class does the MLflow work in either place.
 """
 
 from __future__ import annotations
@@ -244,9 +245,19 @@ class ProcessTracker:
         return {"tracking_overhead_fraction": self.caller_seconds / self.step_seconds,
                 "tracking_writer_fraction": theirs.get("tracking_writer_fraction", 0.0)}
 
+    def call_records(self, op: str, *args: Any) -> Any:
+        """records.OPS[op](tracker, *args), run in the tracking process (records.on_tracker calls it)."""
+        return self._call("records", op, *args)
+
     # Both do their work before an earlier call's error is raised, as MLflowTracker ends a run whose flush failed.
     def close(self) -> None:
-        self._call("close", settle_first=False)
+        """Write what is buffered; the run stays open and the process goes back to be taken by the next phase
+        (phase 5 continues the same run in it, with MLflow already imported and the store open)."""
+        try:
+            self._call("close", settle_first=False)
+        finally:
+            if not self.child.exited:
+                _prestarted.setdefault(json.dumps(self.child.kwargs, sort_keys=True), self.child)
 
     def end_run(self, status: str = "FINISHED") -> None:
         if self.run_id is not None:

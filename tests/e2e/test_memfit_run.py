@@ -16,6 +16,15 @@ import torch
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
+LOADED_AT_EXIT = """
+import atexit, json, sys
+out = sys.argv[1]
+atexit.register(lambda: open(out, "w").write(json.dumps(sorted(m for m in ("mlflow", "matplotlib")
+                                                            if m in sys.modules))))
+sys.argv = ["memfit", *sys.argv[2:]]
+from memfit.cli import main
+main()
+"""
 
 
 def test_memfit_run_tiny_json(tmp_path, prefect_home_template):
@@ -25,9 +34,13 @@ def test_memfit_run_tiny_json(tmp_path, prefect_home_template):
     env.pop("MLFLOW_TRACKING_URI", None)
     # Run from a fresh folder with the shipped config: defaults put MLflow and outputs under the cwd.
     (tmp_path / "configs").symlink_to(REPO / "configs")
-    proc = subprocess.run([sys.executable, "-m", "memfit.cli", "run", "configs/tiny.yaml", "--json"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    # As the console script runs it, noting at exit which of MLflow and matplotlib memfit's own process loaded.
+    proc = subprocess.run([sys.executable, "-c", LOADED_AT_EXIT, str(tmp_path / "loaded.json"), "run",
+                           "configs/tiny.yaml", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # Phases 3 and 5 did their MLflow work (metrics, model logging, registry, plots) in the tracking process.
+    assert json.loads((tmp_path / "loaded.json").read_text()) == [], "memfit's process imported these"
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("mlflow_run_id", "tracking_uri", "checkpoint_uri", "safetensors_dir", "onnx_path", "steps",
                 "initial_val_loss", "final_val_loss"):
