@@ -2,7 +2,7 @@
 
 In `memfit run` that is the tracking process (child.py), which has MLflow imported and the store open since
 start-up: phases 3 and 5 ask it by name (`on_tracker`), so the training process never imports MLflow or
-matplotlib (≈ 3 s of CPU per run, measured 2026-12-02) and phase 5 does not wait for them. Everywhere else
+matplotlib (≈ 12 s less CPU in memfit's process per tiny run, docs/mlflow.md). Everywhere else
 (tests calling the phases, `memfit export`, retraining flows) the same functions run here, on the in-process
 tracker. Arguments and results are plain JSON: the pipe carries data, never code.
 """
