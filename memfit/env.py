@@ -1,11 +1,13 @@
-"""Environment report: hardware, memory, disk and library versions, as one JSON-able dict."""
+"""The environment report (hardware, memory, disk, library versions: one JSON-able dict); threads and heap."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import os
 import platform
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +140,50 @@ def pin_threads(num_threads: int | None) -> int:
     n = num_threads or default_threads()
     torch.set_num_threads(n)
     return n
+
+
+# -- glibc's heap while the loop trains ---------------------------------------------------------------
+# mallopt parameters (malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+# glibc's default trim threshold, put back after training: a process that goes on (serving, exporting, a notebook)
+# gives its free memory back as before.
+DEFAULT_TRIM_THRESHOLD = 128 * 1024
+# The most glibc accepts, and where its own sliding threshold stops on 64-bit: a tensor up to this size comes from
+# the heap rather than from an mmap that is unmapped when freed and faulted in again at the next step.
+MMAP_THRESHOLD = 32 * 1024 * 1024
+KEEP_ALL = 2**31 - 1  # no trimming at all: what one step freed, the next step allocates again
+
+
+def _glibc() -> Any | None:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only: musl's mallopt does nothing, macOS has none
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def keep_heap() -> Callable[[], None]:
+    """Stop glibc trimming its heap until the returned function is called (a no-op without glibc).
+
+    A step frees megabytes of tensors at its end. glibc hands the top of its heap back to the kernel whenever more
+    than its trim threshold is free there (twice its sliding mmap threshold, so about twice the largest tensor
+    freed so far), and the next step faults every page in again, zeroed by the kernel; with two torch threads
+    each shrink also has the other core's TLB flushed. Whether a step's end leaves the heap's top free depends only on
+    where long-lived allocations happen to sit, so two processes running the same step differ: on the tiny
+    model 1060 page faults a step in memfit's against 340 in a bare loop's (docs/monitoring.md). Process-wide, like
+    torch.set_num_threads; it moves no float. The returned function gives the free memory back (malloc_trim) and
+    puts glibc's default trim threshold back; the mmap threshold stays at glibc's own ceiling.
+    """
+    libc = _glibc()
+    if libc is None:
+        return lambda: None
+    libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    libc.mallopt(M_TRIM_THRESHOLD, KEEP_ALL)
+
+    def release() -> None:
+        libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+        libc.malloc_trim(0)
+
+    return release

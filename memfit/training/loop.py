@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from memfit.config import MemfitConfig
 from memfit.data import BatchOrder, DataBundle
+from memfit.env import keep_heap
 from memfit.memory.monitor import MemoryMonitor
 from memfit.memory.probe import autocast_context
 from memfit.optim import memory_now, step_metrics
@@ -217,6 +218,7 @@ class Trainer:
         run_t0 = time.perf_counter()
         bar = tqdm(total=t.max_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                    disable=None if s.is_main else True, leave=False)
+        release_heap = keep_heap()  # what a step frees stays mapped for the next (env.py)
         try:
             while self.step < t.max_steps:
                 t0 = time.perf_counter()
@@ -264,6 +266,7 @@ class Trainer:
                     self.checkpoints.commit_after(self._flush_metrics())
                     self.save(blocking=False, force=agreed.save, busy=agreed.busy)  # written off the training thread
         finally:
+            release_heap()
             bar.close()
             steplog.drain()
         # The last step's loss, logged or not (a stop may end on a step that does not log): one read per run.
