@@ -100,12 +100,15 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
         from flows.finetune import finetune
         from flows.startup import warm_up
 
+        _stop_if_signalled()  # a Ctrl-C during those imports may have been swallowed (ExitGuard.check)
+
         if not debug:
             quiet = quiet_expected_errors(Path(cfg.run.work_dir) / "logs" / "errors.log",
                                           lambda: _GUARD is not None and _GUARD.signalled)
         # What the phases would import and open later, done while the server still boots (not once it answers).
         warm_up(cfg, server.answers if server is not None else lambda: True)
         with server.serving() if server is not None else nullcontext():
+            _stop_if_signalled()
             summary = finetune(config=cfg)
     except OnnxExportFailed as err:  # everything else is done: the summary first, then the one line
         _print_summary(err.summary, as_json)
@@ -124,6 +127,11 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
 
             remove_filters()
     _print_summary(summary, as_json)
+
+
+def _stop_if_signalled() -> None:
+    if _GUARD is not None:
+        _GUARD.check()
 
 
 def _print_summary(summary: Any, as_json: bool) -> None:

@@ -90,6 +90,13 @@ class ExitGuard:
             self._leave(f"second {name}: stopping now")
         raise Interrupted.by(name)
 
+    def check(self) -> None:
+        """Raise Interrupted if a stop signal has come. Its handler's exception can be swallowed by the library
+        code that happens to run when the signal lands: Prefect's import wraps its analytics start-up (about a
+        second of imports) in `except Exception: pass`, and a Ctrl-C there let the run train on to the end."""
+        if self.signal_name is not None:
+            raise Interrupted.by(self.signal_name)
+
     # -- the deadline -------------------------------------------------------------------------------
     @property
     def signalled(self) -> bool:
