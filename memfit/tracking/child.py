@@ -16,6 +16,8 @@ import sys
 import threading
 from typing import Any
 
+from memfit.tracking.records import OPS as RECORDS
+
 # The calls a parent may make: the Tracker Protocol's, and records.OPS (plots, the registry step) by name;
 # anything else is refused (the pipe carries data, never code).
 OPS = frozenset({"start_run", "log_params", "log_metrics", "set_tags", "log_text", "log_artifact", "log_table",
@@ -90,23 +92,19 @@ def main() -> None:
             if op == "exit":
                 break
             if op == "records":  # [name, *args]: records.OPS[name](tracker, *args)
-                from memfit.tracking.records import OPS as RECORDS
-
                 name, *args = req.get("args", [])
                 if name not in RECORDS:
                     raise ValueError(f"unknown tracking call records/{name!r}")
                 result = RECORDS[name](tracker, *args)
-                if rid is not None:
-                    _answer(out, out_lock, logs, {"id": rid, "ok": result})
-                continue
-            if op not in OPS:
-                raise ValueError(f"unknown tracking call {op!r}")
-            if op == "flush" and deferred is not None:
-                err, deferred = deferred, None
-                raise err
-            result = getattr(tracker, op)(*req.get("args", []), **req.get("kwargs", {}))
-            if op == "start_run":
-                result = {"run_id": result, "continued": tracker.continued}
+            else:
+                if op not in OPS:
+                    raise ValueError(f"unknown tracking call {op!r}")
+                if op == "flush" and deferred is not None:
+                    err, deferred = deferred, None
+                    raise err
+                result = getattr(tracker, op)(*req.get("args", []), **req.get("kwargs", {}))
+                if op == "start_run":
+                    result = {"run_id": result, "continued": tracker.continued}
             if rid is not None:
                 _answer(out, out_lock, logs, {"id": rid, "ok": result})
         except Exception as err:  # noqa: BLE001 - the caller gets it; a fire-and-forget call at the next flush

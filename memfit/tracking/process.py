@@ -257,7 +257,7 @@ class ProcessTracker:
             self._call("close", settle_first=False)
         finally:
             if not self.child.exited:
-                _prestarted.setdefault(json.dumps(self.child.kwargs, sort_keys=True), self.child)
+                _prestarted.setdefault(_pool_key(self.child.kwargs), self.child)
 
     def end_run(self, status: str = "FINISHED") -> None:
         if self.run_id is not None:
@@ -267,9 +267,13 @@ class ProcessTracker:
         return f"MLflow at {scrub(self.tracking_uri)}, experiment {self.experiment!r} (tracking process)"
 
 
+def _pool_key(kwargs: dict[str, Any]) -> str:
+    return json.dumps(kwargs, sort_keys=True)
+
+
 def _key(tracking_cfg: Any) -> str | None:
     """Which prestarted process serves this config; None where tracking has no MLflow."""
-    return json.dumps(tracker_kwargs(tracking_cfg), sort_keys=True) if tracking_cfg.backend == "mlflow" else None
+    return _pool_key(tracker_kwargs(tracking_cfg)) if tracking_cfg.backend == "mlflow" else None
 
 
 def prestart(tracking_cfg: Any) -> None:
