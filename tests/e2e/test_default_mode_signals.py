@@ -131,7 +131,9 @@ def test_slots_signals_and_errors_in_the_default_mode(tmp_path, home):
     assert "Traceback" not in early.err
     # Stopped by the signal itself, not by the grace deadline: a Ctrl-C that lands in Prefect's import (which
     # swallows exceptions around its analytics start-up) once let the run go on, to exit 0 on a fast machine.
-    assert early.err.strip().splitlines()[-1].startswith("error: stopped by SIGINT"), early.err[-3000:]
+    # (memfit's last "error:" line: the tracking process, started beside the server, may log after it.)
+    errors = [ln for ln in early.err.splitlines() if ln.startswith("error: ")]
+    assert errors and errors[-1].startswith("error: stopped by SIGINT"), early.err[-3000:]
 
     # A holder SIGKILLed while a run waits (the spot reclaim, the OOM killer): the run trains at once.
     holder = subprocess.Popen([sys.executable, "-c", HOLD_SLOT, str(slots)], stdout=subprocess.PIPE, text=True,
