@@ -122,6 +122,12 @@ class NF4Quantization:
                                      quant_type="nf4", compress_statistics=True)
         if layer.bias is not None:
             q.bias = nn.Parameter(layer.bias.data.detach().clone(), requires_grad=False)
+        # On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks the codes for its inference kernel at the first
+        # eval forward (the initial validation loss) and keeps them so: training forwards then go through that
+        # kernel, which has no backward, and the gradient to the layer's input is silently lost (adapters below
+        # it learn from the residual path alone); a state_dict() unpacks them again, so a training checkpoint's
+        # save changed the numerics. memfit keeps the one layout that trains, on every CPU.
+        q.support_avx512bf16_for_cpu = False
         # Params4bit quantizes when it is moved to a device: here the CPU, so the codes do not depend on
         # the machine (a resumed run on another GPU quantizes the same base the same way).
         return q.to(layer.weight.device if layer.weight.device.type != "meta" else "cpu")

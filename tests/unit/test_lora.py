@@ -67,3 +67,41 @@ def test_lora_targets_matching_nothing_is_a_clear_error():
         from_dict({"lora": {"target_modules": []}})
     with pytest.raises(ConfigError, match="lora.r"):
         from_dict({"lora": {"r": 0}})
+
+
+def test_qlora_gradients_do_not_change_after_an_evaluation():
+    """An eval forward (the initial validation loss) must not change what training computes. bitsandbytes 0.50,
+    on a CPU with AVX512-BF16, repacks the 4-bit codes at the first eval forward for a kernel with no backward:
+    the adapters below a 4-bit layer then got no gradient through it, and a training checkpoint's save (which
+    unpacks them) changed the numerics: a QLoRA resume was not bitwise on such a CPU."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from memfit.lora import prepare_lora_model
+
+    torch.manual_seed(0)  # every projection 64 wide: bitsandbytes' packed CPU kernel takes these shapes
+    base = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                                        num_hidden_layers=2, num_attention_heads=4,
+                                                        num_key_value_heads=4, max_position_embeddings=64))
+    model = prepare_lora_model(base, LoraConfig(enabled=True, r=4, alpha=8, quantize="nf4"), "bf16-mixed")
+    batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+
+    def adapter_grads() -> dict[str, torch.Tensor]:
+        model.train()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=batch, labels=batch).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+    with torch.no_grad():  # lora_B starts at zero: one nudge so that lora_A's gradient is not zero either
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.add_(0.01)
+    before = adapter_grads()
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=batch)
+    after = adapter_grads()
+    assert before.keys() == after.keys() and any(".layers.0." in n and ".lora_A." in n for n in before)
+    changed = [n for n in before if not torch.equal(before[n], after[n])]
+    assert not changed, f"an evaluation changed the adapters' gradients: {changed[:4]}"
