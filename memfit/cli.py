@@ -292,7 +292,7 @@ def _max_seq(config: Any, set_: Any, device: str | None, budget_gb: float | None
 @app.command()
 def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None, budget_gb: BudgetOpt = None,
          max_seq: Annotated[bool, typer.Option("--max-seq", help="Also report the longest data.seq_len that fits "
-                                               "the budget with the chosen stack (bisection over estimates).")]
+                                               "the budget with the chosen stack (a search over estimates).")]
          = False, as_json: JsonOpt = False) -> None:
     """Choose the optimisation stack (checkpointing per block, precision, micro-batch, LoRA, a 4-bit base) that
     fits the budget with the least predicted slowdown, and show the candidates it weighed."""

@@ -296,22 +296,53 @@ MAX_SEQ_STEP = 64  # --max-seq answers in multiples of this many tokens
 def longest_seq_len(est: Estimator, stack: Stack, kinds: tuple[str, ...], limit: int, hi: int,
                     step: int = MAX_SEQ_STEP) -> tuple[int, Estimate | None]:
     """The longest sequence (a multiple of `step`, at most `hi`) whose estimated peak with `stack` and `kinds`
-    fits `limit`, by bisection (the peak grows with the sequence), and its estimate; (0, None) if none fits."""
-    def fits(seq: int) -> Estimate | None:
-        e = est.at_seq_len(seq).estimate(stack, kinds)
-        return e if e.peak_bytes <= limit else None
+    fits `limit`, and its estimate; (0, None) if none fits.
+
+    Each estimate traces a whole step (seconds on a large model), so the search probes where the curve through
+    the last estimates crosses the limit (the peak is near a quadratic in the sequence: weights, activations
+    linear in it, eager attention scores quadratic), then that guess's neighbour, which closes the bracket when
+    the guess was right; after two guesses in a row that did not halve the bracket, bisection. The answer
+    does not depend on the curve: the length returned fits and one step more does not (or is `hi`)."""
+    peaks: dict[int, int] = {}
+    fitting: dict[int, Estimate] = {}
+
+    def fits(k: int) -> bool:
+        e = est.at_seq_len(k * step).estimate(stack, kinds)
+        peaks[k] = e.peak_bytes
+        if e.peak_bytes <= limit:
+            fitting[k] = e
+        return k in fitting
 
     top = hi // step
-    if (e := fits(top * step)) is not None:
-        return top * step, e
-    a, b, best = 0, top, None  # invariant: a*step fits (or a is 0), b*step does not
+    if fits(top):
+        return top * step, fitting[top]
+    a, b, misses = 0, top, 0  # invariant: a*step fits (or a is 0), b*step does not
     while b - a > 1:
-        mid = (a + b) // 2
-        if (e := fits(mid * step)) is not None:
-            a, best = mid, e
-        else:
-            b = mid
-    return a * step, best
+        width = b - a
+        guess = None if misses >= 2 else _crossing(peaks, limit, a, b)
+        k = (a + b) // 2 if guess is None else guess
+        a, b = (k, b) if fits(k) else (a, k)
+        neighbour = k + 1 if a == k else k - 1
+        if guess is not None and a < neighbour < b:
+            a, b = (neighbour, b) if fits(neighbour) else (a, neighbour)
+        if guess is not None:  # two misses: the curve does not fit this estimator, bisect from here on
+            misses = 0 if b - a <= width // 2 else misses + 1
+    return a * step, fitting.get(a)
+
+
+def _crossing(peaks: dict[int, int], limit: int, a: int, b: int) -> int | None:
+    """The largest k in (a, b) the curve through the last three estimates (two: a line) puts under `limit`."""
+    import numpy as np
+
+    if len(peaks) < 2:
+        return None
+    ks = list(peaks)[-3:]
+    coeffs = np.polyfit(ks, [peaks[k] for k in ks], len(ks) - 1)
+    coeffs[-1] -= limit
+    inside = [r.real for r in np.roots(coeffs) if abs(r.imag) < 1e-9 and a < r.real < b]
+    if not inside:
+        return None
+    return int(min(max(int(np.floor(min(inside))), a + 1), b - 1))
 
 
 def max_seq_report(cfg: Any, device: str | None = None, budget_gb: float | None = None) -> dict[str, Any]:

@@ -175,29 +175,39 @@ def test_technique_choices_multiply_the_candidates_of_a_tier():
     assert all(s.micro_batch_size == BASE.micro_batch_size and s.precision == BASE.precision for s in got)
 
 
-class _LinearEstimator:
-    """Peak = fixed + per_token x sequence: the bisection must find the largest multiple of the step under it."""
+class _CurveEstimator:
+    """Peak = weights (and their gradients) of `fixed + curve(sequence)` bytes: the search must find the largest
+    multiple of the step under the limit, whatever the curve."""
 
-    def __init__(self, fixed: int, per_token: int, seq: int = 0) -> None:
-        self.fixed, self.per_token, self.seq, self.calls = fixed, per_token, seq, []
+    def __init__(self, fixed: int, curve, seq: int = 0, calls: list[int] | None = None) -> None:
+        self.fixed, self.curve, self.seq = fixed, curve, seq
+        self.calls = [] if calls is None else calls
 
     def at_seq_len(self, seq: int):
         self.calls.append(seq)
-        return _LinearEstimator(self.fixed, self.per_token, seq)
+        return _CurveEstimator(self.fixed, self.curve, seq, self.calls)
 
     def estimate(self, stack, kinds):
-        return est(kinds, stack=stack, weights=self.fixed + self.per_token * self.seq, act_per_block=0, opt=0)
+        return est(kinds, stack=stack, weights=self.fixed + self.curve(self.seq), act_per_block=0, opt=0)
 
 
-def test_max_seq_bisection_finds_the_longest_length_that_fits():
+# Linear (SDPA activations), quadratic (eager attention scores), and a staircase no curve fits (chunked buffers).
+CURVES = {"linear": (lambda s: 100_000 * s, 4), "quadratic": (lambda s: 20_000 * s + s * s // 3, 6),
+          "staircase": (lambda s: 400 * GB // 1000 * (1 + s // 3000), 15)}
+
+
+@pytest.mark.parametrize("shape", CURVES)
+def test_max_seq_search_finds_the_longest_length_that_fits(shape):
     from memfit.memory.search import longest_seq_len
 
-    fake = _LinearEstimator(fixed=GB, per_token=100_000)
+    curve, most_calls = CURVES[shape]
+    fake = _CurveEstimator(GB, curve)
     limit = 5 * GB
     seq, e = longest_seq_len(fake, BASE, ("full",) * N, limit, hi=131072, step=64)
-    peak = lambda s: 2 * (GB + 100_000 * s)  # noqa: E731 - weights + their gradients in est()
+    peak = lambda s: 2 * (GB + curve(s))  # noqa: E731 - weights + their gradients in est()
     assert seq % 64 == 0 and peak(seq) <= limit < peak(seq + 64)
-    assert e.peak_bytes == peak(seq) and len(fake.calls) <= 12
+    # Each call is a traced step (seconds on a large model): bisection over 2048 steps takes 12.
+    assert e.peak_bytes == peak(seq) and len(fake.calls) <= most_calls, fake.calls
     assert longest_seq_len(fake, BASE, ("full",) * N, GB, hi=131072) == (0, None)
     assert longest_seq_len(fake, BASE, ("full",) * N, 10**15, hi=131072)[0] == 131072
 
