@@ -42,4 +42,4 @@ def build_deployments(cfg: MemfitConfig, names: tuple[str, ...] = ("finetune", "
 
 def serve_deployments(cfg: MemfitConfig, limit: int | None = None) -> None:
     """Register the deployments with the Prefect API (PREFECT_API_URL) and run their flow runs here."""
-    serve(*build_deployments(cfg), limit=limit, print_starting_message=True)
+    serve(*build_deployments(cfg), limit=limit, print_starting_message=True, query_seconds=cfg.deploy.poll_seconds)

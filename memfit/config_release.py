@@ -83,6 +83,10 @@ class DeployConfig(Section):
     retrain_data_uri: str | None = Field(
         None, description="Where scheduled retraining finds new data: a folder or s3://bucket/prefix of "
         ".txt/.jsonl files; the newest by name (e.g. 2026-11-30.jsonl) is used.")
+    poll_seconds: int = Field(2, ge=1, le=300, description="How often `memfit serve` asks the Prefect server for "
+                              "flow runs to start (a run from the UI, a schedule); it takes the place of Prefect's "
+                              "PREFECT_RUNNER_POLL_FREQUENCY, whose 10 s left a run from the UI waiting up to that "
+                              "long. One cheap query each time.")
 
     @field_validator("retrain_cron")
     @classmethod

@@ -34,10 +34,10 @@ def served(tmp_path_factory, prefect_home_template):
     (tmp / "configs").symlink_to(REPO / "configs")
     with prefect_server(tmp, BIN, prefect_home_template) as api:
         env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_HOME": str(tmp / "prefect-home"),
-               "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1"}
         args = [str(BIN / "memfit"), "serve", "configs/tiny.yaml", "--set", "train.max_steps=8",
                 "--set", "checkpoint.every_steps=4", "--set", "data.synthetic_docs=300", "--set", "export.onnx=false",
-                "--set", "tracking.experiment=ui-e2e"]
+                "--set", "tracking.experiment=ui-e2e", "--set", "deploy.poll_seconds=1"]
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         # Prefect's settings in this process, not only the environment: a test before this one in the same

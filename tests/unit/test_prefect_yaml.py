@@ -55,3 +55,16 @@ def test_every_config_passes_the_servers_schema_validation(path, monkeypatch):
         params = {"config": config.load(path).model_dump(mode="json")}
         errors = validate(params, schema, raise_on_error=False, preprocess=True, ignore_required=True)
         assert errors == [], (entrypoint, errors)
+
+
+def test_memfit_serve_asks_for_runs_as_often_as_deploy_poll_seconds(monkeypatch):
+    """A run started from the UI waits for the runner's next query: memfit's 2 s, or the config's, not Prefect's 10."""
+    from flows import deploy
+    from memfit.config import load
+
+    seen: dict = {}
+    monkeypatch.setattr(deploy, "serve", lambda *deps, **kw: seen.update(kw, names=[d.name for d in deps]))
+    deploy.serve_deployments(load(REPO / "configs" / "tiny.yaml"))
+    assert seen["query_seconds"] == 2 and {"finetune", "export"} <= set(seen["names"])
+    deploy.serve_deployments(load(REPO / "configs" / "tiny.yaml", ["deploy.poll_seconds=7"]), limit=1)
+    assert seen["query_seconds"] == 7 and seen["limit"] == 1
