@@ -105,7 +105,7 @@ class CheckpointManager(BackgroundWriter, CheckpointIndex):
         # A re-save of the same step (after a crash between upload and manifest) first drops the old manifest.
         self.store.delete(f"{prefix}/{MANIFEST}")
         for name in staged.files:
-            self.store.put_file(staged.folder / name, f"{prefix}/{name}")
+            self.store.put_file(staged.folder / name, f"{prefix}/{name}", consume=True)
             test_upload_delay()
         created_at = time.time()
         manifest = {"format": FORMAT, "step": step, "created_at": created_at, "files": staged.files}

@@ -131,7 +131,7 @@ class ShardedCheckpointer(BackgroundWriter):
         meta = {}
         for path in staged.files:
             meta[path.name] = file_record(path)
-            self.store.put_file(path, f"{staged.prefix}/{path.name}")
+            self.store.put_file(path, f"{staged.prefix}/{path.name}", consume=True)
         marker = {"save_id": staged.save_id, "rank": self.rank, "files": meta}
         self.store.put_bytes(part_key(staged.prefix, self.rank), json.dumps(marker).encode())
         if self.rank != 0:

@@ -29,8 +29,9 @@ class ObjectStore(Protocol):
 
     uri: str
 
-    def put_file(self, local_path: str | Path, key: str) -> None:
-        """Upload a local file under key, replacing any previous object."""
+    def put_file(self, local_path: str | Path, key: str, *, consume: bool = False) -> None:
+        """Upload a local file under key, replacing any previous object. `consume`: the caller never changes
+        local_path again (a staged file it only deletes), so a local store may take the file itself."""
         ...
 
     def put_bytes(self, key: str, data: bytes) -> None:

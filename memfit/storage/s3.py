@@ -204,7 +204,7 @@ class S3Store:
         except Exception as exc:
             raise self._err(exc, "write", full) from exc
 
-    def put_file(self, local_path: str | Path, key: str) -> None:
+    def put_file(self, local_path: str | Path, key: str, *, consume: bool = False) -> None:
         full = self._full(key)
         src = Path(local_path)
         if not src.is_file():

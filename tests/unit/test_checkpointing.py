@@ -125,12 +125,12 @@ class _GatedStore(LocalStore):
         self.gate.set()
         self.failures = failures
 
-    def put_file(self, local_path, key):
+    def put_file(self, local_path, key, *, consume=False):
         self.gate.wait(10)
         if self.failures > 0:
             self.failures -= 1
             raise StorageError(f"cannot upload to {key!r}: 503 SlowDown (injected)")
-        super().put_file(local_path, key)
+        super().put_file(local_path, key, consume=consume)
 
 
 def _gated(tmp_path: Path, failures: int = 0, **kw) -> CheckpointManager:

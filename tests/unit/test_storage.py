@@ -73,6 +73,37 @@ def test_file_roundtrip(store, tmp_path):
     assert dest.read_bytes() == b"v2"
 
 
+def test_a_consumed_file_is_taken_whole_by_a_local_store_and_uploaded_by_s3(store, tmp_path):
+    src = tmp_path / "staged" / "model.safetensors"
+    src.parent.mkdir()
+    src.write_bytes(b"weights" * 1000)
+    store.put_file(src, "ckpt/step-2/model.safetensors", consume=True)
+    dest = tmp_path / "back.bin"
+    store.get_file("ckpt/step-2/model.safetensors", dest)
+    assert dest.read_bytes() == src.read_bytes()
+    if isinstance(store, LocalStore):  # the same file, not a second copy; the staged name can go
+        stored = Path(store.root) / "ckpt" / "step-2" / "model.safetensors"
+        assert stored.stat().st_ino == src.stat().st_ino and _temp_files(Path(store.root)) == []
+        src.unlink()
+        assert stored.read_bytes() == b"weights" * 1000
+        store.put_file(dest, "ckpt/step-2/copy.bin")  # not consumed: a copy, as before
+        assert (stored.parent / "copy.bin").stat().st_ino != dest.stat().st_ino
+
+
+def test_a_consumed_file_is_copied_where_no_link_can_be_made(tmp_path, monkeypatch):
+    def cross_device(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    store = LocalStore(tmp_path / "store")
+    src = tmp_path / "model.bin"
+    src.write_bytes(b"x" * 100)
+    store.put_file(src, "a/model.bin", consume=True)
+    stored = tmp_path / "store" / "a" / "model.bin"
+    assert stored.read_bytes() == b"x" * 100 and stored.stat().st_ino != src.stat().st_ino
+    assert _temp_files(tmp_path / "store") == []
+
+
 def test_list_with_prefixes(store):
     for key in ["b", "a/2/x", "a/1", "ab/3", "step-1/m", "step-10/m"]:
         store.put_bytes(key, key.encode())
