@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+
+def cli_in_process(*args: str) -> Any:
+    """`memfit ARGS` in this process (a subprocess costs seconds of imports a call): the same exit code, stdout
+    and stderr (typer's CliRunner result). For commands whose process itself is not what a test checks."""
+    from typer.testing import CliRunner
+
+    from memfit.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
 
 
 def tiny_overrides(root: Path, mlflow_uri: str | None = None, **extra: object) -> list[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tests_support import cli_in_process
 
 from memfit.errors import CheckpointError, ExportError
 
@@ -86,10 +87,9 @@ def test_cli_exports_a_training_checkpoint(trained, tmp_path):
 
 
 def test_missing_checkpoint_is_a_clear_cli_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "memfit.cli", "export", str(tmp_path / "no-such" / "step-00000002"),
-                           "--out", str(tmp_path / "out")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "no-such" in proc.stderr and "not found" in proc.stderr
+    res = cli_in_process("export", tmp_path / "no-such" / "step-00000002", "--out", tmp_path / "out")
+    assert res.exit_code == 2 and "Traceback" not in res.stderr
+    assert "no-such" in res.stderr and "not found" in res.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests_support import cli_in_process as memfit
 
 from memfit import phases, run_context
 from memfit.errors import MemoryBudgetError
@@ -15,15 +16,6 @@ from memfit.reports import PlanReport
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")
-
-
-def memfit(*args: str):
-    """The CLI in this process (the subprocess start-up costs seconds a call); same exit codes and streams."""
-    from typer.testing import CliRunner
-
-    from memfit.cli import app
-
-    return CliRunner().invoke(app, list(args), catch_exceptions=False)
 
 
 def _json(res) -> dict:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tests_support import cli_in_process
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -18,10 +16,9 @@ def test_llama_3_8b_on_8_gpus_with_fsdp_shows_sharded_per_gpu_memory():
     args = ["plan", str(REPO / "configs" / "llama-3-8b-lora.yaml"), "--set", "lora.enabled=false",
             "--set", "distributed.nproc_per_node=8", "--set", "distributed.strategy=fsdp2",
             "--set", "train.batch_size=8", "--set", "train.grad_accum_steps=1", "--device", "h100-80gb", "--json"]
-    proc = subprocess.run([sys.executable, "-m", "memfit.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = cli_in_process(*args)
+    assert res.exit_code == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
     d = out["distributed"]
     assert d["world_size"] == 8 and d["strategy"] == "fsdp2" and d["fits"] is True
     ddp, fsdp = d["strategies"]["ddp"], d["strategies"]["fsdp2"]
