@@ -109,8 +109,8 @@ TIMED_FILES = frozenset({
 })
 
 
-# The longest units first (longest-processing-time order), then the rest as pytest-xdist orders them (most tests
-# first): handed out as they come, the short files fill in at the end and both workers finish together. In
+# The longest units first (longest-processing-time order), then e2e, integration and unit files, each tier as
+# pytest-xdist orders it (most tests first): the short files fill in at the end and both workers finish together. In
 # xdist's own order (by test count) the few-test, minutes-long files came last: one worker ran on alone for up
 # to a minute (measured 2026-12-02: 855 s against 913 s). Their seconds on 2 workers, 2026-12-02, for order only.
 LONGEST_FIRST = ("timed",  # ≈ 390 s: the kill trials, default-mode resume and signals, spot chain, CLI bounds
@@ -136,7 +136,9 @@ def pytest_xdist_make_scheduler(config, log):
             if not getattr(self, "_longest_first", False):  # once, when the queue is complete
                 self._longest_first = True
                 rank = {scope: i for i, scope in enumerate(LONGEST_FIRST)}
-                units = sorted(self.workqueue.items(), key=lambda kv: rank.get(kv[0], len(rank)))  # stable
+                tier = {"e2e": 0, "integration": 1, "unit": 2}  # then e2e, integration, and unit files to fill in
+                units = sorted(self.workqueue.items(), key=lambda kv: (  # stable: xdist's order within a tier
+                    rank.get(kv[0], len(rank)), tier.get(kv[0].split("/")[1] if "/" in kv[0] else "", 3)))
                 self.workqueue.clear()
                 self.workqueue.update(units)
             super()._assign_work_unit(node)
