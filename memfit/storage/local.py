@@ -62,9 +62,9 @@ def _link_in(src: Path, target: Path) -> bool:
     """Put `src`'s own file under `target` (a hard link, fsynced, then renamed): a training checkpoint staged in
     the work folder is committed without writing it a second time (half a local save's time at 1.2 GB, measured:
     the copy and its fsync 4.0 of 8.5 s). False where links cannot be made (another filesystem): copy then."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_path(target)
-    try:
+    try:  # any failure here (a folder it may not create included) leaves it to the copy, which names the error
+        target.parent.mkdir(parents=True, exist_ok=True)
         with open(src, "rb") as f:
             os.fsync(f.fileno())  # written without fsync by safetensors / torch.save: on disk before it counts
         os.link(src, tmp)
