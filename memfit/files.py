@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Any
 
 CHUNK_BYTES = 1 << 20
+CACHE_ENV = "MEMFIT_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """$MEMFIT_CACHE_DIR (default ~/.cache/memfit): what memfit builds once per machine and reuses across runs."""
+    return Path(os.environ.get(CACHE_ENV) or "~/.cache/memfit").expanduser()
 
 
 def sha256_file(path: str | Path) -> str:

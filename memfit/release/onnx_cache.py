@@ -8,7 +8,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +16,10 @@ from torch import nn
 
 from memfit.env import package_version
 from memfit.errors import ExportError
-from memfit.files import atomic_path
+from memfit.files import atomic_path, cache_root
 
 log = logging.getLogger("memfit.release")
 
-CACHE_ENV = "MEMFIT_CACHE_DIR"
 SUBDIR = "onnx-graphs"
 # Bump to invalidate every entry when the entry layout changes (the code digest below covers most changes).
 ENTRY_FORMAT = 1
@@ -40,8 +38,7 @@ class CacheMismatch(Exception):
 
 def cache_dir() -> Path:
     """$MEMFIT_CACHE_DIR/onnx-graphs (default ~/.cache/memfit/onnx-graphs)."""
-    root = os.environ.get(CACHE_ENV) or str(Path("~/.cache/memfit"))
-    return Path(root).expanduser() / SUBDIR
+    return cache_root() / SUBDIR
 
 
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

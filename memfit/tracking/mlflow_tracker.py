@@ -20,6 +20,7 @@ from typing import Any
 from memfit.errors import TrackingError
 from memfit.procs import lower_thread_priority
 from memfit.tracking.base import redact, scrub, scrub_obj
+from memfit.tracking.sqlite_seed import seed_sqlite_store
 
 log = logging.getLogger("memfit.tracking")
 
@@ -93,6 +94,7 @@ class MLflowTracker:
         from mlflow import MlflowClient
 
         check_reachable(tracking_uri)
+        seed_sqlite_store(tracking_uri)  # a new SQLite store: copied, not migrated (sqlite_seed.py)
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.client = MlflowClient(tracking_uri=tracking_uri)

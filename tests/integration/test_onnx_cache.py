@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from memfit.files import CACHE_ENV
 from memfit.modeling import preset_config
 from memfit.release import formats as ex
 from memfit.release import onnx_cache
@@ -66,7 +67,7 @@ def llama_cache(tmp_path_factory):
     """A cache folder holding the entry of one full export of a tiny Llama (seed 0), and that export."""
     folder = tmp_path_factory.mktemp("onnx-cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(onnx_cache.CACHE_ENV, str(folder))
+        mp.setenv(CACHE_ENV, str(folder))
         res = ex.export_onnx(_model("tiny-llama", 0), folder / "first.onnx")
     assert res.graph_source == "export" and len(_entries(folder)) == 1
     return folder, res
@@ -77,7 +78,7 @@ def cache(llama_cache, tmp_path, monkeypatch):
     """A private copy of `llama_cache`'s folder as MEMFIT_CACHE_DIR, so tests can damage it."""
     folder = tmp_path / "cache"
     shutil.copytree(llama_cache[0] / onnx_cache.SUBDIR, folder / onnx_cache.SUBDIR)
-    monkeypatch.setenv(onnx_cache.CACHE_ENV, str(folder))
+    monkeypatch.setenv(CACHE_ENV, str(folder))
     return folder
 
 
