@@ -76,9 +76,9 @@ def _inputs(cfg: Any) -> bool:
 
 
 def _tracking_store(cfg: Any) -> bool:
-    """A local SQLite store: its tables (created on first use, ≈ 3 s) and MLflow's client modules. The store
-    object is cached by MLflow, so phase 3's tracker opens the same one. Remote stores are left alone (the
-    network is phase 3's, with its retries and its message)."""
+    """A local SQLite store (a new one copied from a migrated one: tracking/sqlite_seed.py) and MLflow's client
+    modules. The store object is cached by MLflow, so phase 3's tracker opens the same one. Remote stores are left
+    alone (the network is phase 3's, with its retries and its message)."""
     from memfit.tracking.process import prestarted
 
     if cfg.tracking.backend != "mlflow" or prestarted(cfg.tracking):
@@ -89,7 +89,9 @@ def _tracking_store(cfg: Any) -> bool:
     from mlflow import MlflowClient
 
     import memfit.tracking.mlflow_tracker  # noqa: F401 - the module phase 3 opens the store with
+    from memfit.tracking.sqlite_seed import seed_sqlite_store
 
+    seed_sqlite_store(uri)
     MlflowClient(tracking_uri=uri)
     if cfg.tracking.system_metrics:
         importlib.import_module("mlflow.system_metrics.system_metrics_monitor")

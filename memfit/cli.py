@@ -14,6 +14,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from memfit.errors import ConfigError, MemfitError, OnnxExportFailed
+from memfit.importing import collector_paused
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune language models on the GPU you have; keep runs alive on spot machines.")
@@ -62,7 +63,8 @@ def _phase(config: Path | None, overrides: list[str] | None, name: str) -> tuple
     _environment()
     try:
         cfg = _load(config, overrides)
-        from memfit import phases
+        with collector_paused(freeze=_OWN_PROCESS):
+            from memfit import phases
 
         return cfg, getattr(phases, name)(cfg)
     except MemfitError as err:
@@ -71,6 +73,7 @@ def _phase(config: Path | None, overrides: list[str] | None, name: str) -> tuple
 
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show Prefect's tracebacks on the terminal too.")]
 _GUARD: Any = None  # the ExitGuard of a real `memfit` process (main()); None in-process (tests, CliRunner)
+_OWN_PROCESS = False  # True in a real `memfit` process (main()): its start-up imports may be frozen out of the GC
 
 
 @app.command()
@@ -82,31 +85,32 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
         cfg = _load(config, set_)
         if _GUARD is not None:
             _GUARD.grace_s = cfg.checkpoint.grace_seconds
-        from memfit.preflight import preflight
+        with collector_paused(freeze=_OWN_PROCESS):  # the start-up's imports (memfit/importing.py)
+            from memfit.preflight import preflight
 
-        # Missing data or model, unwritable outputs, a missing bucket, bad credentials: one line, in seconds,
-        # before Prefect starts.
-        preflight(cfg)
-        from flows.ephemeral import start_ephemeral_server
+            # Missing data or model, unwritable outputs, a missing bucket, bad credentials: one line, in seconds,
+            # before Prefect starts.
+            preflight(cfg)
+            from flows.ephemeral import start_ephemeral_server
 
-        # No PREFECT_API_URL: the server boots in a process of its own from here on, while this one imports
-        # torch, the flow and Prefect (nothing heavy is imported before this line; tests check it).
-        server = start_ephemeral_server()
-        from memfit.tracking.process import prestart
+            # No PREFECT_API_URL: the server boots in a process of its own from here on, while this one imports
+            # torch, the flow and Prefect (nothing heavy is imported before this line; tests check it).
+            server = start_ephemeral_server()
+            from memfit.tracking.process import prestart
 
-        if cfg.distributed.world_size == 1:  # torchrun's ranks log from the launcher and rank 0, as before
-            prestart(cfg.tracking)  # MLflow's imports and store set-up, in a process beside the server's
-        from flows.console import quiet_expected_errors
-        from flows.finetune import finetune
-        from flows.startup import warm_up
+            if cfg.distributed.world_size == 1:  # torchrun's ranks log from the launcher and rank 0, as before
+                prestart(cfg.tracking)  # MLflow's imports and store set-up, in a process beside the server's
+            from flows.console import quiet_expected_errors
+            from flows.finetune import finetune
+            from flows.startup import warm_up
 
-        _stop_if_signalled()  # a Ctrl-C during those imports may have been swallowed (ExitGuard.check)
+            _stop_if_signalled()  # a Ctrl-C during those imports may have been swallowed (ExitGuard.check)
 
-        if not debug:
-            quiet = quiet_expected_errors(Path(cfg.run.work_dir) / "logs" / "errors.log",
-                                          lambda: _GUARD is not None and _GUARD.signalled)
-        # What the phases would import and open later, done while the server still boots (not once it answers).
-        warm_up(cfg, server.answers if server is not None else lambda: True)
+            if not debug:
+                quiet = quiet_expected_errors(Path(cfg.run.work_dir) / "logs" / "errors.log",
+                                              lambda: _GUARD is not None and _GUARD.signalled)
+            # What the phases would import and open later, done while the server still boots (not once it answers).
+            warm_up(cfg, server.answers if server is not None else lambda: True)
         with server.serving() if server is not None else nullcontext():
             _stop_if_signalled()
             summary = finetune(config=cfg)
@@ -173,7 +177,8 @@ def profile(
     _environment()
     try:
         cfg = _load(config, set_)
-        from memfit.profile import profile as run_profile
+        with collector_paused(freeze=_OWN_PROCESS):
+            from memfit.profile import profile as run_profile
 
         names = [n.strip() for n in compare.split(",") if n.strip()] if compare else None
         result = run_profile(cfg, out_dir=out, steps=steps, compare=names, trace=trace, mlflow_run=mlflow_run)
@@ -201,7 +206,8 @@ def serve(config: ConfigArg = None, set_: SetOpt = None,
         raise typer.Exit(2)
     try:
         cfg = _load(config, set_)
-        from flows.deploy import serve_deployments
+        with collector_paused(freeze=_OWN_PROCESS):
+            from flows.deploy import serve_deployments
 
         serve_deployments(cfg, limit=limit)
     except MemfitError as err:
@@ -222,7 +228,8 @@ def serve_model(
     try:
         overrides = list(set_ or []) + [f"serve.{k}={v}" for k, v in (("host", host), ("port", port)) if v]
         cfg = _load(config, overrides)
-        from memfit.server.run import serve as run_server
+        with collector_paused(freeze=_OWN_PROCESS):
+            from memfit.server.run import serve as run_server
 
         run_server(cfg, model)
     except MemfitError as err:
@@ -244,7 +251,8 @@ def estimate(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = 
     _environment()
     try:
         cfg = _load(config, set_)
-        from memfit.memory.search import estimate_report
+        with collector_paused(freeze=_OWN_PROCESS):
+            from memfit.memory.search import estimate_report
 
         if policy is not None and policy not in ("auto", "none", "full", "every_k", "selective", "offload"):
             raise ConfigError(f"--policy: unknown policy {policy!r}; choose one of auto, none, full, every_k, "
@@ -268,7 +276,8 @@ def estimate(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = 
 
 def _max_seq(config: Any, set_: Any, device: str | None, budget_gb: float | None, as_json: bool) -> None:
     try:
-        from memfit.memory.search import max_seq_report
+        with collector_paused(freeze=_OWN_PROCESS):
+            from memfit.memory.search import max_seq_report
 
         out = max_seq_report(_load(config, set_), device, budget_gb)
     except MemfitError as err:
@@ -302,7 +311,8 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
         return
     try:
         cfg = _load(config, set_)
-        from memfit.memory.search import plan_report, plan_table_markdown
+        with collector_paused(freeze=_OWN_PROCESS):
+            from memfit.memory.search import plan_report, plan_table_markdown
 
         result, out = plan_report(cfg, device, budget_gb)
         if cfg.distributed.world_size > 1:
@@ -481,7 +491,8 @@ def export_cmd(
     """Export a training checkpoint to a verified SafeTensors folder and ONNX file (config from the checkpoint)."""
     _environment()
     try:
-        from memfit.release.from_checkpoint import export_checkpoint
+        with collector_paused(freeze=_OWN_PROCESS):
+            from memfit.release.from_checkpoint import export_checkpoint
 
         report = export_checkpoint(checkpoint_uri, out, onnx=onnx, onnx_only=onnx_only, upload_uri=upload,
                                    overrides=set_)
@@ -510,8 +521,10 @@ def export_cmd(
 
 def main() -> None:
     """The `memfit` process: a stop signal ends it within the grace period, and nothing at exit can hang it."""
-    global _GUARD
+    global _GUARD, _OWN_PROCESS
     from memfit.termination import EXIT_PREEMPTED, ExitGuard
+
+    _OWN_PROCESS = True
 
     if sys.argv[1:2] not in (["run"], ["resume"]):
         app()  # the other commands start no flow: Python's own signal handling is right for them

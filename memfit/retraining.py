@@ -52,8 +52,10 @@ def gather(cfg: MemfitConfig, data_uri: str | None) -> RetrainInputs:
         from mlflow import MlflowClient
 
         from memfit.release.registry import current_champion, fetch_champion
+        from memfit.tracking.sqlite_seed import seed_sqlite_store
 
         tracking_uri = cfg.tracking.resolved_uri()
+        seed_sqlite_store(tracking_uri)  # the first retraining in a folder: the store copied, not migrated
         name = cfg.registry.model_name or cfg.run.name
         champion = current_champion(MlflowClient(tracking_uri=tracking_uri), name, cfg.registry.alias)
         if champion is not None:

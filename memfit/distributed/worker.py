@@ -15,6 +15,7 @@ from typing import Any
 from memfit.config import MemfitConfig, from_dict
 from memfit.errors import ConfigError, DistributedError, MemoryLimitError, Preempted
 from memfit.files import write_json_atomic
+from memfit.importing import collector_paused
 from memfit.reports import PlanReport, ProbeReport, ResumePoint, TrainReport
 
 log = logging.getLogger("memfit.distributed")
@@ -156,17 +157,21 @@ def _exit(code: int, clean: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from memfit.distributed.launch import Job, mark_ready
-    from memfit.distributed.strategies import init_process_group
-    from memfit.preemption import save_on_signal, stop_on_signals
-    from memfit.telemetry import set_telemetry_off
+    with collector_paused(freeze=True):  # this rank's start-up imports, _run's included (memfit/importing.py)
+        from transformers.utils import logging as hf_logging
+
+        import memfit.run_context  # noqa: F401
+        import memfit.training.loop  # noqa: F401
+        from memfit.distributed.launch import Job, mark_ready
+        from memfit.distributed.strategies import init_process_group
+        from memfit.preemption import save_on_signal, stop_on_signals
+        from memfit.telemetry import set_telemetry_off
 
     args = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
     _setup_logging(rank)
     set_telemetry_off()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise in the task log
     job = Job.read(Path(args[0]))

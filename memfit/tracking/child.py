@@ -16,6 +16,7 @@ import sys
 import threading
 from typing import Any
 
+from memfit.importing import collector_paused
 from memfit.tracking.records import OPS as RECORDS
 
 # The calls a parent may make: the Tracker Protocol's, and records.OPS (plots, the registry step) by name;
@@ -77,9 +78,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: _finish(tracker))
     kwargs = json.loads(sys.argv[1])
     try:
-        from memfit.tracking.mlflow_tracker import MLflowTracker
+        with collector_paused(freeze=True):  # MLflow's imports and the store's set-up (memfit/importing.py)
+            from memfit.tracking.mlflow_tracker import MLflowTracker
 
-        tracker = MLflowTracker(**kwargs)
+            tracker = MLflowTracker(**kwargs)
         _answer(out, out_lock, logs, {"id": 0, "ok": None})
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises it in its own words
         _answer(out, out_lock, logs, {"id": 0, "error": str(err), "type": type(err).__name__})
