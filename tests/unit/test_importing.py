@@ -1,4 +1,4 @@
-"""Start-up imports with the cyclic GC paused: resumed however the block ends, frozen only in a process of memfit's own."""
+"""Start-up imports with the cyclic GC paused: resumed however the block ends, frozen only in memfit's own process."""
 
 from __future__ import annotations
 
