@@ -9,12 +9,15 @@ import sys
 import threading
 from typing import Any
 
-# Runs in its own small process and session. memfit writes "PID CREATE_TIME" lines to its stdin, one per process
+# Runs in its own small process and session. memfit writes "PID START_TICKS" lines to its stdin, one per process
 # to end with memfit. When memfit ends, however it ends (SIGKILL included), the kernel closes memfit's end of
 # the pipe: the reaper reads to that EOF, so it knows every process it was told of, then ends each that is
 # still the process it was (a PID can be reused once the target is gone). SIGTERM (PR_SET_PDEATHSIG, a
 # stray kill) only interrupts the read; acting on it at once could miss a line still in the pipe, which
-# left a server running when memfit died within a second of starting it.
+# left a server running when memfit died within a second of starting it. A process is known by its start in
+# clock ticks since boot (start_ticks), not by psutil's create_time: that one adds the boot time as the
+# wall clock gives it now, which moves when the clock is stepped (NTP at a fresh instance's start, a paused
+# and resumed VM), and then no target matched and the server ran on.
 _REAPER = """
 import os, signal, sys
 signal.signal(signal.SIGTERM, lambda *_: None)
@@ -24,19 +27,25 @@ try:
 except OSError:
     pass
 import psutil
+def started(pid):
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(b")") + 2:].split()[19])
 targets = []
 for line in sys.stdin:
-    pid, started = line.split()
-    targets.append((int(pid), float(started)))
+    pid, ticks = line.split()
+    targets.append((int(pid), int(ticks)))
 procs = []
-for pid, started in targets:
+for pid, ticks in targets:
     try:
+        if started(pid) != ticks:
+            print(f"memfit reaper: pid {pid} is another process now; left alone", file=sys.stderr, flush=True)
+            continue
         p = psutil.Process(pid)
-        if abs(p.create_time() - started) < 0.01:
-            p.terminate()
-            procs.append(p)
-    except psutil.Error:
-        pass
+        p.terminate()
+        procs.append(p)
+    except (OSError, psutil.Error):
+        pass  # gone already
 _, alive = psutil.wait_procs(procs, timeout=5)
 for p in alive:
     try:
@@ -87,13 +96,22 @@ class Reaper:
 
     def watch(self, pid: int) -> None:
         """End process `pid` (one memfit did not start itself, e.g. a library's server) with this one."""
-        import psutil
-
         if self.proc is None or self.proc.stdin is None:
             return
-        started = psutil.Process(pid).create_time()
-        self.proc.stdin.write(f"{pid} {started!r}\n".encode())
+        self.proc.stdin.write(f"{pid} {start_ticks(pid)}\n".encode())
         self.proc.stdin.flush()
+
+
+def stat_start_ticks(stat: bytes) -> int:
+    """Field 22 of a /proc/PID/stat line: the process's start in clock ticks since boot (no wall clock in it).
+    The name (field 2) is in parentheses and may hold spaces and parentheses itself: fields count from the last ')'."""
+    return int(stat[stat.rindex(b")") + 2:].split()[19])
+
+
+def start_ticks(pid: int) -> int:
+    """When process `pid` started, in clock ticks since boot (Linux): with the PID, it names one process for good."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return stat_start_ticks(f.read())
 
 
 WRITER_NICE = 10  # background writers run this much nicer than the process (bench/loop_overhead.py measures it)
