@@ -14,8 +14,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture(autouse=True)
 def _collector_restored():
     yield
-    gc.unfreeze()
-    gc.enable()
+    gc.enable()  # what a test froze stays frozen: the suite's worker froze its own imports after collection
 
 
 def test_paused_inside_resumed_after_also_on_error():
@@ -36,17 +35,20 @@ def test_nested_blocks_resume_once_at_the_outermost():
 
 
 def test_a_caller_that_paused_the_collector_keeps_it_paused():
+    before = gc.get_freeze_count()
     gc.disable()
     with collector_paused(freeze=True):
         pass
-    assert not gc.isenabled() and gc.get_freeze_count() == 0
+    assert not gc.isenabled() and gc.get_freeze_count() <= before  # and froze nothing: the caller decides
 
 
 def test_frozen_only_when_asked():
     before = gc.get_freeze_count()
     with collector_paused():
         kept = [object() for _ in range(100)]
-    assert gc.get_freeze_count() == before  # in-process callers (tests, notebooks) keep collecting everything
+    # In-process callers (tests, notebooks) keep collecting everything. (Frozen objects still die by reference
+    # count, so the count can fall meanwhile; a freeze would add every object there is.)
+    assert gc.get_freeze_count() <= before
     with collector_paused(freeze=True):
         kept.append(object())
     assert gc.get_freeze_count() >= before + len(kept)
@@ -58,4 +60,4 @@ def test_in_process_cli_leaves_the_collector_as_it_was(repo_root):
     before = gc.get_freeze_count()
     result = cli_in_process("estimate", str(repo_root / "configs" / "tiny.yaml"), "--json")
     assert result.exit_code == 0, result.stderr[-2000:]
-    assert gc.isenabled() and gc.get_freeze_count() == before
+    assert gc.isenabled() and gc.get_freeze_count() <= before
