@@ -86,13 +86,10 @@ def _tracking_store(cfg: Any) -> bool:
     uri = cfg.tracking.resolved_uri()
     if not uri.startswith("sqlite:///"):
         return False
-    from mlflow import MlflowClient
-
     import memfit.tracking.mlflow_tracker  # noqa: F401 - the module phase 3 opens the store with
-    from memfit.tracking.sqlite_seed import seed_sqlite_store
+    from memfit.tracking.sqlite_seed import open_client
 
-    seed_sqlite_store(uri)
-    MlflowClient(tracking_uri=uri)
+    open_client(uri)
     if cfg.tracking.system_metrics:
         importlib.import_module("mlflow.system_metrics.system_metrics_monitor")
     return True

@@ -49,15 +49,12 @@ def gather(cfg: MemfitConfig, data_uri: str | None) -> RetrainInputs:
     key, local = newest_data(uri, work / "data")
     champion_version = champion_dir = None
     if cfg.tracking.backend == "mlflow" and cfg.registry.enabled:
-        from mlflow import MlflowClient
-
         from memfit.release.registry import current_champion, fetch_champion
-        from memfit.tracking.sqlite_seed import seed_sqlite_store
+        from memfit.tracking.sqlite_seed import open_client
 
         tracking_uri = cfg.tracking.resolved_uri()
-        seed_sqlite_store(tracking_uri)  # the first retraining in a folder: the store copied, not migrated
         name = cfg.registry.model_name or cfg.run.name
-        champion = current_champion(MlflowClient(tracking_uri=tracking_uri), name, cfg.registry.alias)
+        champion = current_champion(open_client(tracking_uri), name, cfg.registry.alias)
         if champion is not None:
             champion_version = champion.version
             champion_dir = str(fetch_champion(tracking_uri, name, work / "champion" / f"v{champion.version}",

@@ -322,10 +322,11 @@ def longest_seq_len(est: Estimator, stack: Stack, kinds: tuple[str, ...], limit:
         guess = None if misses >= 2 else _crossing(peaks, limit, a, b)
         k = (a + b) // 2 if guess is None else guess
         a, b = (k, b) if fits(k) else (a, k)
-        neighbour = k + 1 if a == k else k - 1
-        if guess is not None and a < neighbour < b:
-            a, b = (neighbour, b) if fits(neighbour) else (a, neighbour)
-        if guess is not None:  # two misses: the curve does not fit this estimator, bisect from here on
+        if guess is not None:
+            neighbour = k + 1 if a == k else k - 1
+            if a < neighbour < b:
+                a, b = (neighbour, b) if fits(neighbour) else (a, neighbour)
+            # Two misses in a row: the curve does not fit this estimator, bisect from here on.
             misses = 0 if b - a <= width // 2 else misses + 1
     return a * step, fitting.get(a)
 

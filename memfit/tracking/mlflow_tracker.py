@@ -20,7 +20,7 @@ from typing import Any
 from memfit.errors import TrackingError
 from memfit.procs import lower_thread_priority
 from memfit.tracking.base import redact, scrub, scrub_obj
-from memfit.tracking.sqlite_seed import seed_sqlite_store
+from memfit.tracking.sqlite_seed import open_client, sqlite_path
 
 log = logging.getLogger("memfit.tracking")
 
@@ -36,14 +36,13 @@ def display_uri(uri: str) -> str:
 
 
 def _check_sqlite(uri: str) -> None:
-    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
-    if not path or path == ":memory:":
+    db = sqlite_path(uri)
+    if db is None:
         return
-    folder = Path(path).expanduser().absolute().parent
+    folder = db.parent
     if not folder.is_dir():
         raise TrackingError(f"tracking.uri {uri}: folder {folder} does not exist; create it or point "
                             "tracking.uri / MLFLOW_TRACKING_URI elsewhere")
-    db = Path(path)
     if not (db.exists() and db.stat().st_size) and not _writable(folder):
         raise TrackingError(f"tracking.uri {uri}: cannot create the SQLite store in {folder} (not writable)")
 
@@ -91,13 +90,10 @@ def _first_line(err: BaseException) -> str:
 class MLflowTracker:
     def __init__(self, tracking_uri: str, experiment: str, flush_every: int = 20, system_metrics: bool = False,
                  system_metrics_interval_s: float = 10.0, missing_run: str = "new_run") -> None:
-        from mlflow import MlflowClient
-
         check_reachable(tracking_uri)
-        seed_sqlite_store(tracking_uri)  # a new SQLite store: copied, not migrated (sqlite_seed.py)
         self.tracking_uri = tracking_uri
         self.experiment = experiment
-        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.client = open_client(tracking_uri)
         self.run_id: str | None = None
         self.missing_run = missing_run
         self.continued = False  # start_run reopened the run it was given (False: a new run)
@@ -132,9 +128,9 @@ class MLflowTracker:
 
     def _artifact_location(self) -> str | None:
         """SQLite stores keep artifacts beside the database (MLflow's default is ./mlruns of whatever cwd)."""
-        if not self.tracking_uri.startswith("sqlite:///"):
+        db = sqlite_path(self.tracking_uri)
+        if db is None:
             return None  # a server decides (--artifacts-destination); other stores keep their defaults
-        db = Path(self.tracking_uri[len("sqlite:///"):]).expanduser().absolute()
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", self.experiment)[:60]
         digest = hashlib.sha256(self.experiment.encode()).hexdigest()[:8]
         return (db.parent / "mlruns" / f"{slug}-{digest}").as_uri()

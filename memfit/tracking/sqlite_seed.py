@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from memfit.files import atomic_path, cache_root, temporary_sibling
 
@@ -85,3 +86,12 @@ def seed_sqlite_store(uri: str) -> bool:
         log.debug("no MLflow store template (%s): MLflow creates %s itself", err, db)
         return False
     return True
+
+
+def open_client(uri: str) -> Any:
+    """An MlflowClient on `uri`, as memfit opens a store first (tracker, start-up warm-up, retraining): a new SQLite
+    store copied in before MLflow would migrate one."""
+    from mlflow import MlflowClient
+
+    seed_sqlite_store(uri)
+    return MlflowClient(tracking_uri=uri)
