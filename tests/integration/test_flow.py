@@ -32,7 +32,10 @@ def flow_run(prefect_harness, tmp_path_factory):
     uri = f"sqlite:///{root / 'mlflow.db'}"
     prompts = f'["one two three", "the red fox", "my key is {PLANTED_PROMPT_TOKEN}"]'
     cfg = config.load(repo / "configs" / "tiny.yaml", tiny_overrides(root, uri, **{
-        "train.max_steps": 24, "checkpoint.every_steps": 8, "data.synthetic_docs": 600, "eval.prompts": prompts}))
+        "train.max_steps": 24, "checkpoint.every_steps": 8, "data.synthetic_docs": 600, "eval.prompts": prompts,
+        # 24 steps train in about a second on a fast machine: at tiny.yaml's 1 s interval the run could end with
+        # a single system-metrics sample (seen once, 2026-12-02), and the history below needs two.
+        "tracking.system_metrics_interval_s": 0.25}))
     os.environ[PLANTED_ENV[0]] = PLANTED_ENV[1]
     try:
         summary = finetune(config=cfg)
