@@ -42,9 +42,9 @@ def _config(args: argparse.Namespace, uri: str, work: Path):
 
 def _trainer(cfg, manager):
     from memfit import run_context
-    from memfit.data import prepare_data
-    from memfit.env import pin_threads, resolve_device
+    from memfit.data.prepare import prepare_data
     from memfit.reports import PlanReport
+    from memfit.runtime.env import pin_threads, resolve_device
     from memfit.tracking.null import NullTracker
     from memfit.training.loop import Trainer
 

@@ -14,8 +14,9 @@ TINY = str(REPO / "configs" / "tiny.yaml")
 # For the integration tier: no Prefect, no MLflow, no CLI start-up. These modules are imported once, by
 # multiprocessing's fork server; each child is a fork of it, so it starts in a fraction of a
 # second instead of the ~9 s these imports take on 2 cores. Missing optional ones (bitsandbytes) are skipped.
-TRAIN_PRELOAD = ["kill_child", "memfit.phases", "memfit.training.loop", "memfit.modeling", "memfit.lora",
-                 "memfit.plots", "memfit.storage.s3", "memfit.checkpoints.manager", "transformers.modeling_utils",
+TRAIN_PRELOAD = ["kill_child", "memfit.phases", "memfit.training.loop", "memfit.models.loading",
+                 "memfit.models.lora", "memfit.tracking.plots", "memfit.storage.s3", "memfit.checkpoints.manager",
+                 "transformers.modeling_utils",
                  "transformers.models.llama.modeling_llama", "transformers.tokenization_utils_tokenizers",
                  "matplotlib.backends.backend_agg", "matplotlib.pyplot", "peft", "bitsandbytes"]
 
@@ -40,9 +41,8 @@ def install_spies() -> list[str]:
     """Record, in the returned list, which technique's own code a run goes through: "hook" (the optimizer step in
     backward), "chunked" (the chunked loss), "lean" (a lean-layer MLP), and the optimizer made ("fused" or its
     class name). Patches memfit's modules in this process for good: for a child that ends with its run."""
-    from memfit import optim
     from memfit.memory import lean_layers
-    from memfit.training import loss
+    from memfit.training import loss, optim
 
     used: list[str] = []
     step, call, make, mlp = (optim.StepInBackward._step, loss.ChunkedLoss.__call__, optim.make_adamw,

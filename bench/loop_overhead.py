@@ -81,7 +81,7 @@ def _config(root: Path, variant: str, steps: int):
 def _adamw(model, cfg, fused: bool):
     import torch
 
-    from memfit.optim import ADAMW_BETAS, param_groups
+    from memfit.training.optim import ADAMW_BETAS, param_groups
 
     return torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr, betas=ADAMW_BETAS,
                              fused=fused or None)
@@ -90,7 +90,7 @@ def _adamw(model, cfg, fused: bool):
 def _inputs(cfg):
     import torch
 
-    from memfit.datacache import cached_data
+    from memfit.data.cache import cached_data
     from memfit.run_context import load_inputs
 
     torch.set_num_threads(THREADS)
@@ -110,9 +110,9 @@ def run_bare(cfg, variant: str, fused: bool, turns: Turns) -> dict:
     import mlflow
     import torch
 
-    from memfit.data import BatchOrder
-    from memfit.optim import make_scheduler
-    from memfit.schedule import seed_everything
+    from memfit.data.order import BatchOrder
+    from memfit.training.optim import make_scheduler
+    from memfit.training.schedule import seed_everything
 
     model, data = _inputs(cfg)
     t = cfg.train
@@ -159,7 +159,7 @@ def run_hf(cfg, variant: str, fused: bool, turns: Turns) -> dict:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from memfit.optim import make_scheduler
+    from memfit.training.optim import make_scheduler
 
     model, data = _inputs(cfg)
     t = cfg.train

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from technique_rows import technique_rows  # noqa: E402
 
 from memfit.config import MemoryConfig  # noqa: E402
+from memfit.config.devices import PROFILES, profile_for_report  # noqa: E402
 from memfit.memory.compose import Estimate, Stack  # noqa: E402
-from memfit.memory.devices import PROFILES, profile_for_report  # noqa: E402
 from memfit.memory.estimate import Estimator  # noqa: E402
 from memfit.memory.plan import assignments, choose, describe  # noqa: E402
 from memfit.memory.policies import EveryKCheckpointing, assign_blocks, find_blocks  # noqa: E402

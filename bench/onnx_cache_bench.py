@@ -27,7 +27,7 @@ def build(config_path: str, seed: int):
     from transformers import AutoModelForCausalLM
 
     from memfit.config import load
-    from memfit.modeling import preset_config
+    from memfit.models.loading import preset_config
 
     m = load(config_path).model
     spec = {"preset": m.preset, "hidden_size": m.hidden_size, "num_layers": m.num_layers, "num_heads": m.num_heads,

@@ -56,9 +56,9 @@ def _real_tokens(bundle) -> object:
 
 def _setup(args, data: Path, work: Path, packing: str):
     from memfit import run_context
-    from memfit.data import prepare_data
-    from memfit.env import pin_threads, resolve_device
+    from memfit.data.prepare import prepare_data
     from memfit.reports import PlanReport
+    from memfit.runtime.env import pin_threads, resolve_device
     from memfit.tracking.null import NullTracker
     from memfit.training.loop import Trainer
 
@@ -99,8 +99,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
 
-    from memfit.data import synthetic_conversations
-    from memfit.data.synthetic import write_jsonl
+    from memfit.data.synthetic import synthetic_conversations, write_jsonl
 
     with tempfile.TemporaryDirectory(prefix="memfit-packing-bench-") as tmp:
         root = Path(tmp)

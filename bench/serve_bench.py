@@ -72,8 +72,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from memfit import config
+    from memfit.runtime.telemetry import set_telemetry_off
     from memfit.server.run import start_in_thread
-    from memfit.telemetry import set_telemetry_off
 
     set_telemetry_off()
     tmp = tempfile.TemporaryDirectory(prefix="memfit-serve-bench-")

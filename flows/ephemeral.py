@@ -47,7 +47,7 @@ class EphemeralServer:
     """
 
     def __init__(self) -> None:
-        from memfit.procs import Reaper
+        from memfit.runtime.procs import Reaper
 
         self._reaper = Reaper()
         self.proc: subprocess.Popen[bytes] | None = None

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from memfit.termination import Interrupted
+from memfit.runtime.termination import Interrupted
 
 log = logging.getLogger("memfit.startup")
 _PRESET_TYPES = {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}
@@ -32,7 +32,7 @@ def warm_up(cfg: Any, server_ready: Callable[[], bool] = lambda: False) -> list[
         try:
             if part(cfg):
                 done.append(name)
-        except Interrupted:  # a stop signal (memfit/termination.py) ends the run here as anywhere
+        except Interrupted:  # a stop signal (memfit/runtime/termination.py) ends the run here as anywhere
             raise
         except Exception as err:  # noqa: BLE001 - see the docstring: the phase itself reports it
             log.debug("start-up warm-up of the %s skipped: %s", name, err)
@@ -67,7 +67,7 @@ def _inputs(cfg: Any) -> bool:
     of the same config would. Presets only: a model given by path can be large, and is loaded by phase 1."""
     if cfg.model.name_or_path:
         return False
-    from memfit.datacache import cached_data
+    from memfit.data.cache import cached_data
     from memfit.run_context import load_inputs
 
     inputs = load_inputs(cfg)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from memfit.errors import ConfigError, MemfitError, OnnxExportFailed
-from memfit.importing import collector_paused
+from memfit.runtime.importing import collector_paused
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune language models on the GPU you have; keep runs alive on spot machines.")
@@ -29,7 +29,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object, la
 
 def _environment() -> None:
     """Defaults every entry point shares: telemetry off, memfit logs visible in Prefect, patient start-up."""
-    from memfit.telemetry import set_telemetry_off
+    from memfit.runtime.telemetry import set_telemetry_off
 
     set_telemetry_off()
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "memfit")
@@ -85,7 +85,7 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
         cfg = _load(config, set_)
         if _GUARD is not None:
             _GUARD.grace_s = cfg.checkpoint.grace_seconds
-        with collector_paused(freeze=_OWN_PROCESS):  # the start-up's imports (memfit/importing.py)
+        with collector_paused(freeze=_OWN_PROCESS):  # the start-up's imports (memfit/runtime/importing.py)
             from memfit.preflight import preflight
 
             # Missing data or model, unwritable outputs, a missing bucket, bad credentials: one line, in seconds,
@@ -121,7 +121,7 @@ def run(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
         _fail(err, f" (traceback: {quiet.log_file}; --debug shows it here)" if quiet and quiet.holds(err) else "")
     except BaseException:
         if _GUARD is not None and _GUARD.signalled:  # Prefect's TerminationSignal, a second Ctrl-C, ...
-            from memfit.termination import Interrupted
+            from memfit.runtime.termination import Interrupted
 
             _fail(Interrupted.by(_GUARD.signal_name))
         raise
@@ -522,7 +522,7 @@ def export_cmd(
 def main() -> None:
     """The `memfit` process: a stop signal ends it within the grace period, and nothing at exit can hang it."""
     global _GUARD, _OWN_PROCESS
-    from memfit.termination import EXIT_PREEMPTED, ExitGuard
+    from memfit.runtime.termination import EXIT_PREEMPTED, ExitGuard
 
     _OWN_PROCESS = True
 

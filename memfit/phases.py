@@ -13,15 +13,13 @@ import torch
 
 from memfit.checkpoints import CheckpointIndex
 from memfit.config import MemfitConfig
-from memfit.datacache import cached_data
-from memfit.env import environment_report, pin_threads, resolve_device
+from memfit.data.cache import cached_data
 from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryBudgetError, MemoryLimitError, Preempted
 from memfit.memory.plan_cache import cache_path, load_plan, plan_key, store_plan
 from memfit.memory.policies import make_policy
 from memfit.memory.probe import explain_oom, measure_step, verdict, weights_to_device
 from memfit.memory.search import estimate_policy, plan_for, plan_table_markdown, resolve_budget, target_profile
-from memfit.preemption import stop_on_signals
-from memfit.preflight import open_checkpoint_store, preflight
+from memfit.preflight import preflight
 from memfit.reports import ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
 from memfit.run_context import (
     build_training_model,
@@ -35,7 +33,10 @@ from memfit.run_context import (
     run_tags,
     staging_dir,
 )
-from memfit.spot import spot_watcher
+from memfit.runtime.env import environment_report, pin_threads, resolve_device
+from memfit.runtime.preemption import stop_on_signals
+from memfit.runtime.spot import spot_watcher
+from memfit.storage import open_checkpoint_store
 from memfit.tracking import make_tracker
 from memfit.tracking.base import scrub_obj
 
@@ -233,8 +234,8 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
 # -- phase 5 ------------------------------------------------------------------------------------------
 def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> ExportReport:
     """Load the final training checkpoint, evaluate, export SafeTensors + ONNX (verified), gate and register."""
-    from memfit.evaluation import generate_heldout, generate_samples, log_generations, perplexity
-    from memfit.lora import merged_from_state
+    from memfit.evaluation.review import generate_heldout, generate_samples, log_generations, perplexity
+    from memfit.models.lora import merged_from_state
     from memfit.release.from_checkpoint import config_from_checkpoint
     from memfit.release.publish import release
     from memfit.training.loop import evaluate_loss

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any
 
 from memfit.config import DataConfig, MemfitConfig, ModelConfig
-from memfit.datafiles import HUB_PREFIX, SUPPORTED_SUFFIXES, blank_data, data_files, missing_data, saved_dataset_dir
-from memfit.errors import ConfigError, DataError, ModelLoadError
+from memfit.data.files import HUB_PREFIX, blank_data, data_files, missing_data, saved_dataset_dir
+from memfit.errors import ConfigError, DataError
 from memfit.files import probe_writable
+from memfit.models.source import resolve_model_source
+from memfit.storage import open_checkpoint_store
 
-__all__ = ["SUPPORTED_SUFFIXES", "data_files", "preflight"]
+__all__ = ["preflight"]
 
-# A hub id is "name" or "org/name"; anything else that does not exist locally is a missing folder.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _SNIFF_BYTES = 1 << 16  # enough of each file to tell "has text" from "blank", without reading a corpus
 
 
@@ -40,26 +38,6 @@ def check_data_source(data: DataConfig) -> None:
     raise blank_data(path)
 
 
-def resolve_model_source(name_or_path: str, need_config: bool) -> tuple[str, bool]:
-    """(what to pass to from_pretrained, is it a local folder); raises for missing or odd local paths."""
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise ModelLoadError(f"model.name_or_path: {path} is a file; point it at a model folder "
-                                 "(the output of save_pretrained) or a hub id")
-        if need_config and not (path / "config.json").is_file():
-            raise ModelLoadError(f"model.name_or_path: folder {path} has no config.json; point it at a "
-                                 "Hugging Face model folder (the output of save_pretrained)")
-        return str(path), True
-    looks_local = name_or_path.startswith(("/", "./", "../", "~", ".\\")) or not _HUB_ID.match(name_or_path)
-    if looks_local:
-        full = str(path.absolute())
-        shown = name_or_path if full == name_or_path else f"{name_or_path} ({full})"
-        raise ModelLoadError(f"model.name_or_path: folder {shown} not found; check the path, or give a "
-                             "hub id like 'org/name'")
-    return name_or_path, False
-
-
 def check_model_source(model: ModelConfig) -> None:
     if model.name_or_path:
         resolve_model_source(model.name_or_path, need_config=True)
@@ -72,20 +50,6 @@ def check_writable_dir(path: str | Path, field: str) -> None:
     except OSError as err:
         raise ConfigError(f"{field}: cannot write to {folder} ({err.strerror or err}); choose a writable folder "
                           f"with --set {field}=PATH") from None
-
-
-def open_checkpoint_store(cfg: MemfitConfig) -> Any:
-    """The store at checkpoint.uri, with the S3 settings of the config (credentials: boto3's own chain)."""
-    from memfit.storage import is_remote, open_store
-
-    ck = cfg.checkpoint
-    if is_remote(ck.uri):
-        return open_store(ck.uri, endpoint_url=ck.endpoint_url, region=ck.region,
-                          multipart_threshold_mb=ck.multipart_threshold_mb)
-    for name in ("endpoint_url", "region"):
-        if getattr(ck, name) is not None:
-            raise ConfigError(f"checkpoint.{name} only applies to s3:// uris, not checkpoint.uri={ck.uri!r}")
-    return open_store(ck.uri)
 
 
 def check_data_records(data: DataConfig) -> None:

@@ -63,8 +63,8 @@ def profile(cfg: MemfitConfig, out_dir: str | Path | None = None, steps: int = 3
     allocator's history. `auto` in `compare` stands for the planner's choice.
     """
     from memfit import run_context
-    from memfit.datacache import cached_data
-    from memfit.env import pin_threads, resolve_device
+    from memfit.data.cache import cached_data
+    from memfit.runtime.env import pin_threads, resolve_device
 
     if steps < 2:
         raise ConfigError(f"--steps {steps}: need at least 2 (one to create the optimizer state, one to record)")

@@ -16,12 +16,13 @@ import torch
 import memfit
 from memfit.checkpoints import CheckpointManager
 from memfit.config import MemfitConfig
-from memfit.data import DataBundle, data_digest, load_texts
+from memfit.data.formats import data_digest, load_texts
+from memfit.data.prepare import DataBundle
 from memfit.memory.policies import apply_policy, make_policy
-from memfit.modeling import check_seq_len, load_model_and_tokenizer
-from memfit.preflight import open_checkpoint_store
+from memfit.models.loading import check_seq_len, load_model_and_tokenizer
 from memfit.reports import PlanReport, ProbeReport
-from memfit.tracking.records import on_tracker
+from memfit.storage import open_checkpoint_store
+from memfit.tracking.records import log_memory_figure, on_tracker
 
 log = logging.getLogger("memfit.run_context")
 
@@ -115,7 +116,7 @@ def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanRe
     """LoRA adapters (on a 16-bit or 4-bit frozen base) when planned, the lean SwiGLU/RMSNorm layers when
     planned or set, then the planned gradient-checkpointing policy (its one entry point)."""
     if plan.lora:
-        from memfit.lora import prepare_lora_model
+        from memfit.models.lora import prepare_lora_model
 
         model = prepare_lora_model(model, cfg.lora, plan.precision, quantize=plan.quantize, seed=cfg.train.seed)
     if plan.lean_layers or (plan.lean_layers is None and cfg.memory.lean_layers is True):
@@ -137,7 +138,7 @@ def log_training_end(tracker: Any, plan: PlanReport, probe_report: ProbeReport |
                  100 * overhead["tracking_overhead_fraction"], 100 * overhead["tracking_writer_fraction"])
         tracker.log_metrics(overhead, step=steps)
     # Made where the store is open (the tracking process in `memfit run`: no matplotlib here).
-    on_tracker(tracker, "log_memory_figure", probe_report.baseline if probe_report else None, plan.model_dump())
+    on_tracker(tracker, log_memory_figure, probe_report.baseline if probe_report else None, plan.model_dump())
     close = getattr(tracker, "close", None)
     if close is not None:
         close()

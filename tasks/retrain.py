@@ -7,8 +7,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from memfit.config import MemfitConfig
+from memfit.release.retraining import gather, retrain_config
 from memfit.reports import RunSummary
-from memfit.retraining import gather, retrain_config
 
 
 @task(name="newest-data-and-champion", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)

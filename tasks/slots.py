@@ -17,9 +17,9 @@ from prefect.exceptions import ObjectNotFound
 from tqdm.auto import tqdm
 
 from memfit.config import MemfitConfig
-from memfit.slots import machine_slot
+from memfit.runtime.slots import machine_slot
 
-log = logging.getLogger("memfit.slots")
+log = logging.getLogger("memfit.runtime.slots")
 LEASE_SECONDS = 60  # a server reaps a dead holder's lease after this; renewed in the background while training
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memfit.data import synthetic_conversations, synthetic_prompt_completions
-from memfit.data.synthetic import write_jsonl, write_parquet
+from memfit.data.synthetic import synthetic_conversations, synthetic_prompt_completions, write_jsonl, write_parquet
 
 # The special tokens each built-in template writes (the tokenizer knows them as single tokens, as real ones do).
 TEMPLATE_SPECIALS = {

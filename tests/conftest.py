@@ -28,7 +28,7 @@ os.environ.update({
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 # Under pytest-xdist each worker gets its share of the cores, in this process (torch reads OMP_NUM_THREADS when it
-# is first imported, below) and in every `memfit run` it starts (memfit.env.default_threads): two workers each
+# is first imported, below) and in every `memfit run` it starts (memfit.runtime.env.default_threads): two workers each
 # running torch on every core spin for threads the other holds (serial suite 2723 CPU s, `-n 2` 3391).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "").isdigit():
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
@@ -45,7 +45,7 @@ pytest_plugins = ["fixtures.s3"]
 
 def pytest_configure(config):
     """The process that collects (a worker, or the only process) imports torch, transformers, MLflow and Prefect
-    with the cyclic GC paused, as memfit's own processes do (memfit/importing.py): ≈ 2 CPU s less per worker."""
+    with the cyclic GC paused, as memfit's own processes do (memfit/runtime/importing.py): ≈ 2 CPU s less per worker."""
     if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
         gc.disable()
 

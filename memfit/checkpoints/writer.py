@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memfit.errors import CheckpointError
-from memfit.procs import lower_thread_priority
+from memfit.runtime.procs import lower_thread_priority
 
 log = logging.getLogger("memfit.checkpoints")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit.config import DataConfig
+from memfit.data.files import HUB_PREFIX, blank_data, data_files, missing_data, saved_dataset_dir
 from memfit.data.synthetic import synthetic_corpus
-from memfit.datafiles import HUB_PREFIX, blank_data, data_files, missing_data, saved_dataset_dir
 from memfit.errors import DataError
 
 log = logging.getLogger("memfit.data")

@@ -21,8 +21,8 @@ from memfit import errors
 from memfit.config import MemfitConfig
 from memfit.errors import DistributedError, Preempted
 from memfit.files import write_text_atomic
-from memfit.procs import die_with_parent_hook
 from memfit.reports import PlanReport, ProbeReport, ResumePoint, TrainReport
+from memfit.runtime.procs import die_with_parent_hook
 
 log = logging.getLogger("memfit.distributed")
 
@@ -57,7 +57,7 @@ def store_report_key(cfg: MemfitConfig) -> str:
 
 
 def _store(cfg: MemfitConfig) -> Any:
-    from memfit.preflight import open_checkpoint_store
+    from memfit.storage import open_checkpoint_store
 
     return open_checkpoint_store(cfg)
 
@@ -148,7 +148,7 @@ def run_torchrun(cfg: MemfitConfig, job: Job, stop: threading.Event | None = Non
     cmd = torchrun_command(cfg, job_path)
     log.info("launching %d processes on this node (%d in all, strategy %s): %s", cfg.distributed.nproc_per_node,
              cfg.distributed.world_size, job.plan.get("strategy"), " ".join(cmd))
-    from memfit.env import default_threads
+    from memfit.runtime.env import default_threads
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # Ranks share the cores (the worker pins torch's threads the same way); set here, torchrun skips its banner.
@@ -243,8 +243,8 @@ def outcome(cfg: MemfitConfig, jdir: Path, returncode: int, stop_reason: str | N
 def train_distributed(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint,
                       probe_report: ProbeReport | None = None) -> TrainReport:
     """Phase 3 on several processes: torchrun runs memfit.distributed.worker on every rank of this node."""
-    from memfit.preemption import stop_on_signals
-    from memfit.spot import spot_watcher
+    from memfit.runtime.preemption import stop_on_signals
+    from memfit.runtime.spot import spot_watcher
 
     ensure_model_files(cfg)
     jdir = prepare_job_dir(cfg)
@@ -284,8 +284,8 @@ def ensure_model_files(cfg: MemfitConfig) -> None:
     """Build a preset once here, so the ranks never race to build the same folder."""
     if cfg.model.name_or_path:
         return
-    from memfit.data import data_digest, load_texts
-    from memfit.modeling import build_preset, preset_dir
+    from memfit.data.formats import data_digest, load_texts
+    from memfit.models.loading import build_preset, preset_dir
 
     texts = load_texts(cfg.data)
     build_preset(cfg.model, texts, preset_dir(cfg, data_digest(texts)), seed=cfg.train.seed,

@@ -118,7 +118,7 @@ def wrap_fsdp2(model: nn.Module, info: RankInfo, precision: str) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from memfit.modeling import find_decoder_blocks
+    from memfit.models.loading import find_decoder_blocks
 
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh}

@@ -15,8 +15,8 @@ from typing import Any
 from memfit.config import MemfitConfig, from_dict
 from memfit.errors import ConfigError, DistributedError, MemoryLimitError, Preempted
 from memfit.files import write_json_atomic
-from memfit.importing import collector_paused
 from memfit.reports import PlanReport, ProbeReport, ResumePoint, TrainReport
+from memfit.runtime.importing import collector_paused
 
 log = logging.getLogger("memfit.distributed")
 
@@ -45,10 +45,10 @@ def _agree(info: Any, job_plan: dict[str, Any], resume: ResumePoint) -> dict[str
 def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event, save_request: threading.Event
          ) -> TrainReport:
     from memfit import run_context
-    from memfit.datacache import cached_data
+    from memfit.data.cache import cached_data
     from memfit.distributed.launch import REPORT_FILE, RUN_ID_FILE
     from memfit.distributed.strategies import DEEPSPEED_STRATEGIES, TORCH_STRATEGIES
-    from memfit.env import default_threads, pin_threads
+    from memfit.runtime.env import default_threads, pin_threads
     from memfit.tracking import NullTracker, make_tracker
     from memfit.training.loop import Trainer
 
@@ -157,15 +157,15 @@ def _exit(code: int, clean: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    with collector_paused(freeze=True):  # this rank's start-up imports, _run's included (memfit/importing.py)
+    with collector_paused(freeze=True):  # this rank's start-up imports, _run's included (memfit/runtime/importing.py)
         from transformers.utils import logging as hf_logging
 
         import memfit.run_context  # noqa: F401
         import memfit.training.loop  # noqa: F401
         from memfit.distributed.launch import Job, mark_ready
         from memfit.distributed.strategies import init_process_group
-        from memfit.preemption import save_on_signal, stop_on_signals
-        from memfit.telemetry import set_telemetry_off
+        from memfit.runtime.preemption import save_on_signal, stop_on_signals
+        from memfit.runtime.telemetry import set_telemetry_off
 
     args = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))

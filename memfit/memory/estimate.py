@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from memfit.config.devices import DeviceProfile
 from memfit.errors import ConfigError
 from memfit.memory.compose import PROXY_BLOCKS, Estimate, KindTrace, Stack, StaticTrace, compose
-from memfit.memory.devices import DeviceProfile
 from memfit.memory.policies import BLOCK_KINDS, OFFLOAD_EMULATION, assign_blocks, find_blocks
 from memfit.memory.step import host_bytes as optimizer_host_bytes
 from memfit.memory.step import init_optimizer_state, make_optimizer, op_cost_model, run_step
@@ -28,8 +28,8 @@ def model_config_for(cfg: Any) -> Any:
     """The transformers config of the model a memfit config trains; weights and tokenizer are not needed."""
     from transformers import AutoConfig
 
-    from memfit.modeling import preset_config, preset_spec
-    from memfit.preflight import resolve_model_source
+    from memfit.models.loading import preset_config, preset_spec
+    from memfit.models.source import resolve_model_source
 
     if cfg.model.name_or_path:
         target, local = resolve_model_source(cfg.model.name_or_path, need_config=True)
@@ -66,10 +66,10 @@ def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any, 
     """The model with fake weights (shapes and dtypes only), as training would hold it.
 
     Built on the meta device (no init, no memory), then made the training model there by the trainer's own
-    code (memfit.lora.prepare_lora_model: base quantized, adapters added, frozen weights in the compute
+    code (memfit.models.lora.prepare_lora_model: base quantized, adapters added, frozen weights in the compute
     dtype); then every parameter and buffer becomes a fake CPU tensor (fake tensors themselves cannot go
     through Module.to()). A 4-bit base is booked from its layers' shapes: same-sized stand-ins for
-    bitsandbytes' packed codes and statistics (memfit.quantization), since fake tensors cannot hold them.
+    bitsandbytes' packed codes and statistics (memfit.models.quantization), since fake tensors cannot hold them.
     """
     from transformers import AutoModelForCausalLM
 
@@ -77,7 +77,7 @@ def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any, 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     if lora_cfg is not None:
-        from memfit.lora import prepare_lora_model
+        from memfit.models.lora import prepare_lora_model
 
         model = prepare_lora_model(model, lora_cfg, precision, quantize=quantize, fake=True)
         if precision == "bf16-true":
@@ -209,7 +209,7 @@ class Estimator:
         scratch = max(0, opt_peak["optimizer"] - after["optimizer"])
         opt_peak["optimizer"] -= scratch
         opt_peak["other"] += scratch
-        from memfit.quantization import logical_param_count
+        from memfit.models.quantization import logical_param_count
 
         params = list(model.parameters())
         return StaticTrace(n_blocks=self.n_blocks, before_opt=before, after_opt=after, opt_peak=opt_peak,
@@ -228,8 +228,8 @@ class Estimator:
 
     def resolved(self, stack: Stack) -> Stack:
         """The stack with `auto` techniques as a run on this model and device resolves them."""
-        from memfit.optim import resolve_optimizer
         from memfit.training.loss import resolve_loss
+        from memfit.training.optim import resolve_optimizer
 
         vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
         return replace(stack, loss=resolve_loss(stack.loss, vocab),

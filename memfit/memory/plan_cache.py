@@ -10,9 +10,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from memfit.env import package_version
 from memfit.files import write_json_atomic
 from memfit.reports import PlanReport
+from memfit.runtime.env import package_version
 
 log = logging.getLogger("memfit.memory")
 _PACKAGE = Path(__file__).resolve().parents[1]  # memfit/

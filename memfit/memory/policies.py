@@ -58,7 +58,7 @@ def find_blocks(model: nn.Module, block_class: str | None = None) -> list[nn.Mod
                               f"{type(base).__name__}; classes found in its module lists: "
                               f"{', '.join(repeated) or 'none'}")
         return found
-    from memfit.modeling import find_decoder_blocks
+    from memfit.models.loading import find_decoder_blocks
 
     return list(find_decoder_blocks(base))
 

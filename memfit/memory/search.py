@@ -7,6 +7,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from memfit.config.devices import DeviceProfile, get_profile, profile_for_report
 from memfit.errors import ConfigError
 from memfit.memory.candidates import (
     configured_stack,
@@ -19,7 +20,6 @@ from memfit.memory.candidates import (
     techniques,
 )
 from memfit.memory.compose import Estimate, Stack
-from memfit.memory.devices import DeviceProfile, get_profile, profile_for_report
 from memfit.memory.estimate import Estimator, model_config_for, n_blocks_of
 from memfit.memory.plan import Plan, assignments, choose
 from memfit.memory.policies import make_policy
@@ -30,7 +30,7 @@ GB = 1e9
 
 
 def local_device_report(device: str = "auto") -> dict[str, Any]:
-    from memfit.env import device_report, resolve_device
+    from memfit.runtime.env import device_report, resolve_device
 
     return device_report(resolve_device(device))
 
@@ -350,7 +350,7 @@ def max_seq_report(cfg: Any, device: str | None = None, budget_gb: float | None 
     """`memfit plan --max-seq`: the stack the planner chooses at data.seq_len, made lean per token
     (longest_context_stack), then the longest data.seq_len it fits the budget with."""
     from memfit.config import DataConfig
-    from memfit.modeling import model_max_positions
+    from memfit.models.loading import model_max_positions
 
     profile, budget, source = _target(cfg, device, budget_gb)
     if budget is None:

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.memory.devices import DeviceProfile
+from memfit.config.devices import DeviceProfile
 from memfit.memory.tracker import HOST, StepTracker, tensors_of
-from memfit.optim import StepInBackward, make_adamw, param_groups
 from memfit.training.loss import LossPolicy, PlainLoss
+from memfit.training.optim import StepInBackward, make_adamw, param_groups
 
 
 def autocast_context(device: torch.device, precision: str):

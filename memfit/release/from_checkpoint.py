@@ -100,8 +100,8 @@ def config_from_checkpoint(loaded: LoadedCheckpoint, uri: str, overrides: list[s
 
 def model_for_checkpoint(cfg: Any, work_dir: Path) -> tuple[Any, Any]:
     """(model, tokenizer) of the architecture the checkpoint was trained on (a preset is rebuilt in work_dir)."""
-    from memfit.data import data_digest, load_texts
-    from memfit.modeling import load_model_and_tokenizer
+    from memfit.data.formats import data_digest, load_texts
+    from memfit.models.loading import load_model_and_tokenizer
 
     if cfg.model.name_or_path:
         model, tok, _ = load_model_and_tokenizer(cfg, [], "")
@@ -230,7 +230,7 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
     `onnx_only` redoes just out_dir/model.onnx and leaves out_dir/hf alone; `overrides` (`export.onnx_rtol=…`)
     change the checkpoint's saved config for this export. An ONNX failure raises ExportError.
     """
-    from memfit.env import pin_threads
+    from memfit.runtime.env import pin_threads
 
     if onnx_only and (upload_uri or not onnx):
         raise ConfigError("--onnx-only exports only model.onnx: it cannot be combined with --no-onnx or --upload "
@@ -241,7 +241,7 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
         pin_threads(cfg.train.num_threads)
         model, tokenizer = model_for_checkpoint(cfg, Path(tmp) / "work")
         try:
-            from memfit.lora import merged_from_state
+            from memfit.models.lora import merged_from_state
 
             model = merged_from_state(model, cfg.lora, loaded.model_state, f"training checkpoint {loaded.info.uri}")
         except RuntimeError as err:

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.env import package_version
 from memfit.errors import ExportError
 from memfit.files import atomic_path, cache_root
+from memfit.runtime.env import package_version
 
 log = logging.getLogger("memfit.release")
 

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from memfit.config import MemfitConfig
-from memfit.evaluation import run_description
+from memfit.evaluation.review import run_description
 from memfit.release.from_checkpoint import ExportFiles, export_model, onnx_redo_command, parity_criteria, upload_export
-from memfit.release.registry import RegistryOutcome
+from memfit.release.registry import RegistryOutcome, publish_on_tracker
 from memfit.reports import ExportReport
 from memfit.tracking.mlflow_tracker import MLflowTracker
 from memfit.tracking.process import ProcessTracker
-from memfit.tracking.records import on_tracker
+from memfit.tracking.records import log_loss_curve, on_tracker
 
 log = logging.getLogger("memfit.release")
 
@@ -51,14 +51,14 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                         **tags}
         # Where the store is open: the tracking process in `memfit run` (records.py).
         outcome = RegistryOutcome(**on_tracker(
-            tracker, "publish", str(files.safetensors_dir), metrics, cfg.registry.model_name or cfg.run.name,
+            tracker, publish_on_tracker, str(files.safetensors_dir), metrics, cfg.registry.model_name or cfg.run.name,
             cfg.eval.gate.model_dump(), cfg.registry.alias, version_tags))
         tags.update({"memfit.gate": "passed" if outcome.gate_passed else "failed",
                      "memfit.gate.reason": outcome.gate_reason})
     elif cfg.registry.enabled:
         log.info("registry skipped: it needs the MLflow tracker (%s)", tracker.describe())
     log_export_artifacts(tracker, files, weights_in_model=outcome is not None)
-    on_tracker(tracker, "log_loss_curve", cfg.run.name)
+    on_tracker(tracker, log_loss_curve, cfg.run.name)
     summary = {"val_loss": round(metrics["val_loss"], 5), "val_perplexity": round(metrics["val_perplexity"], 4),
                "onnx_max_abs_diff": files.onnx_max_abs_diff, "onnx_error": files.onnx_error,
                "export": files.dir, "uploaded_to": files.uploaded_uri,

@@ -11,6 +11,7 @@ import shutil
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from memfit.errors import TrackingError
@@ -258,3 +259,13 @@ def fetch_champion(tracking_uri: str, name: str, dest: str | Path, alias: str = 
         if sha256_file(folder / rel) != meta["sha256"]:
             raise TrackingError(f"registry: {name}@{alias} file {rel} does not match its export checksum")
     return folder
+
+
+def publish_on_tracker(tracker: Any, export_dir: str, metrics: dict[str, float], model_name: str, gate: dict[str, Any],
+            alias: str, version_tags: dict[str, str]) -> dict[str, Any]:
+    """publish() on a tracker's run, where its store is open (records.on_tracker: the tracking process in `memfit
+    run`); `gate` is the eval.gate section as a dict. Returns the RegistryOutcome as a dict."""
+    tracker.flush()
+    outcome = publish(tracker.client, tracker.tracking_uri, tracker.run_id, export_dir, metrics, model_name,
+                            SimpleNamespace(**gate), alias, version_tags)
+    return outcome.to_dict()

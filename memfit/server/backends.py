@@ -59,8 +59,8 @@ class TransformersBackend:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from memfit.env import resolve_device
         from memfit.release.formats import prepare_for_inference
+        from memfit.runtime.env import resolve_device
 
         self.torch = torch
         self.device = resolve_device(device)

@@ -73,7 +73,7 @@ def load(files: ModelFiles, serve_cfg: Any) -> ServedModel:
     """Tokenizer and backend from `files`, then the checks: ONNX parity within its recorded limits, a smoke run."""
     from transformers import AutoTokenizer
 
-    from memfit.modeling import model_max_positions
+    from memfit.models.loading import model_max_positions
 
     try:
         tok = AutoTokenizer.from_pretrained(files.hf_dir, local_files_only=True)

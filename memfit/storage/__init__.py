@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
+from memfit.errors import ConfigError
 from memfit.storage.base import KeyNotFound, ObjectStore, StorageError, join_key
 from memfit.storage.local import LocalStore
 
+if TYPE_CHECKING:
+    from memfit.config import MemfitConfig
+
 __all__ = [
     "KeyNotFound", "LocalStore", "ObjectStore", "S3Store", "StorageError",
-    "is_remote", "join_key", "open_store",
+    "is_remote", "join_key", "open_checkpoint_store", "open_store",
 ]  # fmt: skip
 
 _SUPPORTED = "s3://bucket/prefix, file:///path or a plain local path"
@@ -61,3 +65,15 @@ def open_store(uri: str | Path, **kwargs: Any) -> ObjectStore:
     if not uri.strip():
         raise StorageError(f"empty storage uri: expected {_SUPPORTED}")
     return LocalStore(uri)
+
+
+def open_checkpoint_store(cfg: MemfitConfig) -> Any:
+    """The store at checkpoint.uri, with the S3 settings of the config (credentials: boto3's own chain)."""
+    ck = cfg.checkpoint
+    if is_remote(ck.uri):
+        return open_store(ck.uri, endpoint_url=ck.endpoint_url, region=ck.region,
+                          multipart_threshold_mb=ck.multipart_threshold_mb)
+    for name in ("endpoint_url", "region"):
+        if getattr(ck, name) is not None:
+            raise ConfigError(f"checkpoint.{name} only applies to s3:// uris, not checkpoint.uri={ck.uri!r}")
+    return open_store(ck.uri)

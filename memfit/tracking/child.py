@@ -16,11 +16,13 @@ import sys
 import threading
 from typing import Any
 
-from memfit.importing import collector_paused
-from memfit.tracking.records import OPS as RECORDS
+from memfit.release.registry import publish_on_tracker
+from memfit.runtime.importing import collector_paused
+from memfit.tracking.records import log_loss_curve, log_memory_figure
 
-# The calls a parent may make: the Tracker Protocol's, and records.OPS (plots, the registry step) by name;
-# anything else is refused (the pipe carries data, never code).
+# The calls a parent may make: the Tracker Protocol's, and RECORDS (plots, the registry step) by name; anything
+# else is refused (the pipe carries data, never code). This process's entry point sits above release/ (layers).
+RECORDS = {op.__name__: op for op in (log_loss_curve, log_memory_figure, publish_on_tracker)}
 OPS = frozenset({"start_run", "log_params", "log_metrics", "set_tags", "log_text", "log_artifact", "log_table",
                  "log_dataset", "metric_history", "flush", "overhead", "close", "end_run"})
 EXIT_FLUSH_S = 10.0  # at most this long to write buffered metrics when the parent is gone
@@ -78,7 +80,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: _finish(tracker))
     kwargs = json.loads(sys.argv[1])
     try:
-        with collector_paused(freeze=True):  # MLflow's imports and the store's set-up (memfit/importing.py)
+        with collector_paused(freeze=True):  # MLflow's imports and the store's set-up (memfit/runtime/importing.py)
             from memfit.tracking.mlflow_tracker import MLflowTracker
 
             tracker = MLflowTracker(**kwargs)
@@ -93,7 +95,7 @@ def main() -> None:
         try:
             if op == "exit":
                 break
-            if op == "records":  # [name, *args]: records.OPS[name](tracker, *args)
+            if op == "records":  # [name, *args]: RECORDS[name](tracker, *args)
                 name, *args = req.get("args", [])
                 if name not in RECORDS:
                     raise ValueError(f"unknown tracking call records/{name!r}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import TrackingError
-from memfit.procs import lower_thread_priority
+from memfit.runtime.procs import lower_thread_priority
 from memfit.tracking.base import redact, scrub, scrub_obj
 from memfit.tracking.sqlite_seed import open_client, sqlite_path
 

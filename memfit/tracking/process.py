@@ -246,7 +246,7 @@ class ProcessTracker:
                 "tracking_writer_fraction": theirs.get("tracking_writer_fraction", 0.0)}
 
     def call_records(self, op: str, *args: Any) -> Any:
-        """records.OPS[op](tracker, *args), run in the tracking process (records.on_tracker calls it)."""
+        """child.RECORDS[op](tracker, *args), run in the tracking process (records.on_tracker calls it)."""
         return self._call("records", op, *args)
 
     # Both do their work before an earlier call's error is raised, as MLflowTracker ends a run whose flush failed.

@@ -22,8 +22,8 @@ from memfit.checkpoints.format import (
 )
 from memfit.config import TrainConfig
 from memfit.errors import CheckpointError, ConfigError
-from memfit.optim import lr_schedule, param_groups
-from memfit.schedule import capture_rng
+from memfit.training.optim import lr_schedule, param_groups
+from memfit.training.schedule import capture_rng
 from memfit.training.strategies import RNG, TorchDistributed
 
 _TAG = "ds"  # DeepSpeed writes <staging>/<tag>/...; the files are uploaded flat
@@ -49,7 +49,7 @@ class DeepSpeedStrategy(TorchDistributed):
     def prepare(self, model: nn.Module, t: TrainConfig, m: Any = None) -> None:
         from memfit.distributed.ds_config import config_for, import_deepspeed
         from memfit.distributed.strategies import check_same_weights
-        from memfit.modeling import find_decoder_blocks
+        from memfit.models.loading import find_decoder_blocks
 
         if self.cfg.memory.optimizer not in ("auto", "adamw"):
             raise ConfigError(f"memory.optimizer: {self.cfg.memory.optimizer} with {self.name}: the DeepSpeed engine "

@@ -17,15 +17,16 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from memfit.config import MemfitConfig
-from memfit.data import BatchOrder, DataBundle
-from memfit.env import keep_heap
+from memfit.data.order import BatchOrder
+from memfit.data.prepare import DataBundle
 from memfit.memory.monitor import MemoryMonitor
 from memfit.memory.probe import autocast_context
-from memfit.optim import memory_now, step_metrics
 from memfit.reports import TrainReport
-from memfit.schedule import restore_rng, seed_everything
+from memfit.runtime.env import keep_heap
 from memfit.tracking.base import Tracker
 from memfit.training.loss import Batch, LossPolicy, blocks_batch, make_loss, trained_tokens
+from memfit.training.optim import memory_now, step_metrics
+from memfit.training.schedule import restore_rng, seed_everything
 from memfit.training.strategies import Agreement, SingleProcess
 
 log = logging.getLogger("memfit.train")
@@ -125,12 +126,12 @@ class Trainer:
     # What a training checkpoint holds of the model: all weights; with adapters (LoRA) only the trainable
     # ones (the frozen base, 16-bit or 4-bit, comes from model.name_or_path or the preset).
     def model_state(self) -> dict[str, torch.Tensor]:
-        from memfit.lora import trainable_state
+        from memfit.models.lora import trainable_state
 
         return trainable_state(self.model)
 
     def load_model_state(self, state: Any) -> None:
-        from memfit.lora import load_trainable_state
+        from memfit.models.lora import load_trainable_state
 
         load_trainable_state(self.model, state)
 

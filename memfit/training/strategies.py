@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit import optim
 from memfit.checkpoints.format import (
     is_deepspeed_folder,
     is_sharded_folder,
@@ -24,7 +23,8 @@ from memfit.checkpoints.reader import read_checkpoint_folder
 from memfit.checkpoints.sharded import ShardedCheckpointer, dcp_shards, load_into
 from memfit.config import MemoryConfig, TrainConfig
 from memfit.errors import CheckpointError, ConfigError
-from memfit.schedule import capture_rng
+from memfit.training import optim
+from memfit.training.schedule import capture_rng
 
 RNG = tuple[dict[str, Any], dict[str, Any]]  # (JSON-able python/numpy states, torch tensors)
 

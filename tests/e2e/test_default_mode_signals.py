@@ -83,7 +83,7 @@ def _sets(folder: Path, *extra: str) -> tuple[str, ...]:
 
 HOLD_SLOT = """
 import sys, time
-from memfit.slots import machine_slot
+from memfit.runtime.slots import machine_slot
 with machine_slot(sys.argv[1], "memfit-training", 1, run="stand-in", notify=print):
     print("held", flush=True)
     time.sleep(600)
@@ -91,7 +91,7 @@ with machine_slot(sys.argv[1], "memfit-training", 1, run="stand-in", notify=prin
 
 
 def test_slots_signals_and_errors_in_the_default_mode(tmp_path, home):
-    from memfit.slots import machine_slot
+    from memfit.runtime.slots import machine_slot
 
     slots = home / "memfit-slots"  # where `memfit run` keeps its training slots in the default mode
     bad_model = tmp_path / "bad-model"

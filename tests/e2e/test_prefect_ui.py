@@ -105,7 +105,7 @@ def test_ui_renders_the_parameter_form(served):
                            "--virtual-time-budget=30000", "--dump-dom", url],
                           capture_output=True, text=True, timeout=180)
     dom = proc.stdout
-    # The form is generated from the pydantic config: field descriptions from memfit/config.py appear in it.
+    # The form is generated from the pydantic config: field descriptions from memfit/config/__init__.py appear in it.
     assert "Optimizer steps to train for" in dom, dom[-2000:]
     assert "Gradient checkpointing policy" in dom
     assert "finetune" in dom

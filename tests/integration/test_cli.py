@@ -98,7 +98,7 @@ def test_seq_len_above_model_maximum(tmp_path):
 
     LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, max_position_embeddings=32)).save_pretrained(hf)
-    from memfit.modeling import train_tokenizer
+    from memfit.models.loading import train_tokenizer
 
     train_tokenizer(["one two three four five six seven"] * 20, 300, hf)
     proc = memfit("probe", TINY, *_outputs(tmp_path), "--set", f"model.name_or_path={hf}", cwd=tmp_path)

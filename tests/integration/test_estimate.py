@@ -10,8 +10,8 @@ import torch
 from memory_support import SAVE_OPS, VOCAB, tiny
 
 from memfit import config
+from memfit.config.devices import PROFILES, get_profile
 from memfit.memory.compose import Stack
-from memfit.memory.devices import PROFILES, get_profile
 from memfit.memory.estimate import Estimator, trace_whole_step
 from memfit.memory.policies import assign_blocks, find_blocks, mixed_kinds
 from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
@@ -116,8 +116,8 @@ def test_lora_estimate_matches_the_measured_step_with_a_16_bit_or_4_bit_base(qua
     """The frozen base in bf16 (or NF4) and the adapters in fp32, as prepare_lora_model builds the training
     model (with or without the lean layers): the estimate on fake tensors equals the tracker's measurement of
     the real step."""
-    from memfit.lora import prepare_lora_model
     from memfit.memory.lean_layers import apply_lean_layers
+    from memfit.models.lora import prepare_lora_model
 
     if quantize == "nf4":
         pytest.importorskip("bitsandbytes")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit.env import _glibc
+from memfit.runtime.env import _glibc
 
 # Starts a process, so not in the unit tier (tests/unit/test_heap.py has the in-process half).
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(_glibc() is None, reason="glibc's allocator only")]
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 _REFAULTS = """
 import ctypes, json, resource
-from memfit.env import keep_heap
+from memfit.runtime.env import keep_heap
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from memfit.config.devices import PROFILES
 from memfit.memory.compose import Stack
-from memfit.memory.devices import PROFILES
 from memfit.memory.estimate import Estimator
 from memfit.memory.lean_layers import apply_lean_layers
 from memfit.memory.policies import assign_blocks, find_blocks
@@ -124,8 +124,8 @@ def test_llama3_8b_lora_and_qlora_fit_the_anchors_figures(tmp_path):
     from dataclasses import replace
 
     from memfit import config
+    from memfit.config.devices import get_profile
     from memfit.memory.candidates import configured_stack
-    from memfit.memory.devices import get_profile
     from memfit.memory.search import make_estimator
 
     folder = tmp_path / "llama-3-8b"

@@ -137,7 +137,7 @@ def _model(device: str) -> nn.Module:
 
 
 def _optimizer(model: nn.Module, kind: str, in_backward: bool) -> tuple[torch.optim.Optimizer, object]:
-    from memfit import optim
+    from memfit.training import optim
 
     opt = optim.make_adamw(model, 1e-2, 0.1, kind=kind)
     return opt, optim.StepInBackward(opt) if in_backward else None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from memfit.files import CACHE_ENV
-from memfit.modeling import preset_config
+from memfit.models.loading import preset_config
 from memfit.release import formats as ex
 from memfit.release import onnx_cache
 from memfit.release.parity import ParityCriteria, parity_failure, shape_parity
@@ -26,7 +26,7 @@ SHAPE = (3, 7)  # a shape the export verification does not use
 
 
 def _model(preset: str, seed: int, layers: int = 2, vocab: int = 96):
-    """A preset-shaped model (tiny-llama / tiny-gpt2 of memfit/modeling.py) with seeded random weights."""
+    """A preset-shaped model (tiny-llama / tiny-gpt2 of memfit/models/loading.py) with seeded random weights."""
     from transformers import AutoModelForCausalLM
 
     spec = {"preset": preset, "hidden_size": 32, "num_layers": layers, "num_heads": 4, "max_positions": 64}

@@ -90,8 +90,8 @@ def run_100m(tmp_path_factory):
     """`memfit run` fine-tuning the >= 100 M pretrained-scale model (2 steps), its ONNX export verified on the
     way: one export of that model for the whole module (each costs ~40 s on 2 cores). Returns the folder it
     started from, the completed process and the ONNX metadata the export wrote."""
-    from memfit.data import synthetic_corpus
-    from memfit.modeling import SPECIAL_TOKEN, train_tokenizer
+    from memfit.data.synthetic import synthetic_corpus
+    from memfit.models.loading import SPECIAL_TOKEN, train_tokenizer
 
     tmp_path = tmp_path_factory.mktemp("run100m")
     texts = synthetic_corpus(300, seed=1)

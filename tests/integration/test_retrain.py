@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _write_data(folder: Path, name: str, seed: int) -> None:
-    from memfit.data import synthetic_corpus
+    from memfit.data.synthetic import synthetic_corpus
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / name).write_text("\n\n".join(synthetic_corpus(300, seed)) + "\n")
@@ -57,7 +57,7 @@ def test_retrain_promotes_then_a_failed_gate_keeps_the_champion(prefect_harness,
 def test_retrain_without_data_is_a_clear_error(tmp_path):
     from memfit import config
     from memfit.errors import ConfigError, DataError
-    from memfit.retraining import gather
+    from memfit.release.retraining import gather
 
     cfg = config.load(None, [f"run.work_dir={tmp_path}", "tracking.backend=null"])
     with pytest.raises(ConfigError, match="deploy.retrain_data_uri"):

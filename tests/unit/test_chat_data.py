@@ -11,10 +11,11 @@ from chat_support import TEMPLATE_SPECIALS, bpe_tokenizer, conversation_texts, m
 
 from memfit import config
 from memfit.config import DataConfig
-from memfit.data import Corpus, load_texts, prepare_data, synthetic_prompt_completions
+from memfit.data.formats import Corpus, load_texts
 from memfit.data.masking import IGNORE, encode_examples
 from memfit.data.packing import pack_padded, pack_padding_free
-from memfit.data.synthetic import write_jsonl, write_parquet
+from memfit.data.prepare import prepare_data
+from memfit.data.synthetic import synthetic_prompt_completions, write_jsonl, write_parquet
 from memfit.data.templates import BUILTIN_TEMPLATES
 from memfit.errors import DataError
 from memfit.training.loss import blocks_batch

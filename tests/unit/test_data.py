@@ -10,16 +10,11 @@ import pytest
 import torch
 
 from memfit.config import DataConfig, MemfitConfig
-from memfit.data import (
-    BatchOrder,
-    DataBundle,
-    data_digest,
-    load_texts,
-    prepare_data,
-    split_blocks,
-    synthetic_corpus,
-    tokenize_and_pack,
-)
+from memfit.data.formats import data_digest, load_texts
+from memfit.data.order import BatchOrder
+from memfit.data.packing import split_blocks, tokenize_and_pack
+from memfit.data.prepare import DataBundle, prepare_data
+from memfit.data.synthetic import synthetic_corpus
 from memfit.errors import CheckpointError, DataError
 
 pytestmark = pytest.mark.unit

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from memfit import config
-from memfit.data import data_digest, load_texts
-from memfit.datacache import cache_key, cached_data
-from memfit.modeling import train_tokenizer
+from memfit.data.cache import cache_key, cached_data
+from memfit.data.formats import data_digest, load_texts
+from memfit.models.loading import train_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -23,7 +23,7 @@ def test_second_call_reads_the_cache(tmp_path, tok, monkeypatch):
     tokenizer, texts = tok
     cfg = config.load(None, [f"run.work_dir={tmp_path}", "data.seq_len=32", "data.synthetic_docs=200"])
     first = cached_data(cfg, texts, data_digest(texts), tokenizer)
-    import memfit.datacache as dc
+    import memfit.data.cache as dc
 
     monkeypatch.setattr(dc, "prepare_data", lambda *a, **k: pytest.fail("cache miss"))
     second = cached_data(cfg, texts, data_digest(texts), tokenizer)

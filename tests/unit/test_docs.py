@@ -124,7 +124,7 @@ def stale_refs(page: str, text: str, keys: set[str] = KEYS, repo: Path = REPO) -
                 for key in expand(m.group(0)):
                     if key in keys or key in NOT_CONFIG_KEYS or key.rsplit(".", 1)[-1] in FILE_SUFFIXES:
                         continue
-                    problems.append(f"{page}:{code_line}: `{key}` is not a config key (memfit/config.py)")
+                    problems.append(f"{page}:{code_line}: `{key}` is not a config key (memfit/config/__init__.py)")
             for m in PATH_RE.finditer(chunk):
                 for rel in expand(m.group(0).rstrip(".")):
                     if _ignored(rel, ignored) or (repo / rel).exists():
@@ -261,17 +261,17 @@ def test_checker_flags_stale_keys_paths_and_modules_not_prose():
     text = ("Prose: tracking.required, memfit/nowhere.py and model.name_or_path are not read.\n"
             "Set `tracking.required` and `train.{lr,max_stepz}`; `model.onnx` is a file, `data.digest` a param,\n"
             "`model.gradient_checkpointing_enable()` a call, `memfit.memory.warning` a tag; see `memfit/nowhere.py`,\n"
-            "`memfit/config.py`, `bench/out/x.png` (an output) and `runs/tiny/checkpoints` (a run's).\n"
+            "`memfit/config/__init__.py`, `bench/out/x.png` (an output) and `runs/tiny/checkpoints` (a run's).\n"
             "```bash\n"
             "memfit run configs/tiny.yaml --set checkpoint.every_steps=2 \\\n"
             "  --set checkpoint.spot.enabled=true --set checkpoint.evry_steps=2 configs/nope.yaml\n"
             "python -m memfit.cli --help && python -m memfit.nocli\n"
             "```\n")
     assert stale_refs("X.md", text) == [
-        "X.md:2: `tracking.required` is not a config key (memfit/config.py)",
-        "X.md:2: `train.max_stepz` is not a config key (memfit/config.py)",
+        "X.md:2: `tracking.required` is not a config key (memfit/config/__init__.py)",
+        "X.md:2: `train.max_stepz` is not a config key (memfit/config/__init__.py)",
         "X.md:3: `memfit/nowhere.py` does not exist in the repository",
-        "X.md:7: `checkpoint.evry_steps` is not a config key (memfit/config.py)",
+        "X.md:7: `checkpoint.evry_steps` is not a config key (memfit/config/__init__.py)",
         "X.md:7: `configs/nope.yaml` does not exist in the repository",
         "X.md:8: module `memfit.nocli` does not exist",
     ]
@@ -286,7 +286,7 @@ def test_checker_knows_every_key_of_the_tree():
 
 
 def test_layout_check_flags_missing_extra_and_twice_listed_modules():
-    block = ("memfit/        core\n  config.py    tree\n  gone.py      removed\n  memory/      x\n"
+    block = ("memfit/        core\n  errors.py    errors\n  gone.py      removed\n  memory/      x\n"
              "    probe.py   y\n  memory/      again\ntasks/         train.py, nothing.py\n")
     problems = layout_problems(block)
     assert "README.md Layout: lists memfit/gone.py, which does not exist" in problems
@@ -294,7 +294,8 @@ def test_layout_check_flags_missing_extra_and_twice_listed_modules():
     assert "README.md Layout: lists memfit/memory/ 2 times" in problems
     assert "README.md Layout: top-level folder flows/ is not listed" in problems
     assert "README.md Layout: tasks/nothing.py does not exist" in problems
-    assert not any(s in p for p in problems for s in ("memfit/config.py", "memfit/memory/probe.py", "tasks/train.py"))
+    assert not any(s in p for p in problems for s in ("memfit/errors.py", "memfit/memory/probe.py",
+                                                              "tasks/train.py"))
 
 
 def test_link_check_flags_missing_pages_and_anchors():

@@ -7,9 +7,9 @@ import torch
 from memory_support import tiny
 
 from memfit import config
-from memfit.lora import prepare_lora_model
 from memfit.memory.step import autocast_context
 from memfit.memory.tracker import StepTracker
+from memfit.models.lora import prepare_lora_model
 
 pytestmark = pytest.mark.unit
 

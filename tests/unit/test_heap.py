@@ -10,8 +10,8 @@ import torch
 
 from memfit import config
 from memfit.checkpoints import CheckpointManager
-from memfit.data import DataBundle
-from memfit.env import _glibc
+from memfit.data.prepare import DataBundle
+from memfit.runtime.env import _glibc
 from memfit.storage.local import LocalStore
 from memfit.training.loop import Trainer
 

@@ -1,4 +1,4 @@
-"""memfit's internal imports form no cycle, and the core (all but memfit/cli.py) never imports prefect."""
+"""memfit's imports: no cycle, layers that point down (README "Layout"), and only memfit/cli.py imports prefect."""
 
 from __future__ import annotations
 
@@ -108,3 +108,62 @@ def test_the_core_never_imports_prefect():
                        and any(m == "prefect" or m.startswith("prefect.")
                                for m in _imports(path, name, module_level_only=False)))
     assert offenders == [], f"these memfit modules import prefect (only memfit/cli.py may): {offenders}"
+
+# Bottom to top (docs: README "Layout"). Packages in one layer may import each other (the cycle test keeps that
+# one-way); a module imports only from its own layer and the layers below it.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("vocabulary", ("memfit", "memfit.errors", "memfit.files", "memfit.config", "memfit.reports")),
+    ("platform", ("memfit.runtime", "memfit.storage", "memfit.tracking")),
+    ("inputs", ("memfit.models", "memfit.data")),
+    # A step's recipe (loss, optimizer, schedule) lives in training/ but sits under memory/: the estimator traces
+    # the same step the loop runs.
+    ("step recipe", ("memfit.training.loss", "memfit.training.optim", "memfit.training.schedule")),
+    ("memory and state", ("memfit.memory", "memfit.checkpoints")),
+    ("training", ("memfit.training", "memfit.distributed")),
+    ("phase 5", ("memfit.evaluation", "memfit.release", "memfit.server")),
+    # The spine, and the entry points of memfit's other processes (a torchrun rank, the tracking process),
+    # which compose every layer below as the CLI does.
+    ("spine", ("memfit.preflight", "memfit.run_context", "memfit.phases", "memfit.profile", "memfit.cli",
+               "memfit.distributed.worker", "memfit.tracking.child")),
+]
+
+
+def layer_of(module: str) -> int:
+    """The layer of a module: the longest listed prefix wins (memfit.config.release sits with memfit.config)."""
+    best, index = "", -1
+    for i, (_, members) in enumerate(LAYERS):
+        for member in members:
+            if (module == member or module.startswith(member + ".")) and len(member) > len(best):
+                best, index = member, i
+    return index
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} (layer '{LAYERS[layer_of(a)][0]}') imports {b} (layer '{LAYERS[layer_of(b)][0]}')"
+                  for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in _graph(module_level_only=False) if layer_of(m) < 0)
+    assert unplaced == [], f"modules in no layer (add their package to LAYERS): {unplaced}"
+
+
+def test_imports_go_down_never_up():
+    problems = upward_imports(_graph(module_level_only=False))
+    assert problems == [], "imports from a lower layer to a higher one:\n" + "\n".join(problems)
+
+
+def test_the_layer_check_catches_an_upward_import():
+    graph = {"memfit.data.packing": {"memfit.training.loop"}, "memfit.training.loop": {"memfit.data.packing"}}
+    assert upward_imports(graph) == ["memfit.data.packing (layer 'inputs') imports memfit.training.loop "
+                                     "(layer 'training')"]
+    assert layer_of("memfit.config.release") == 0 and layer_of("memfit.cli") == len(LAYERS) - 1
+
+
+def test_the_root_holds_only_the_spine():
+    roots = sorted(m for m in _graph(module_level_only=False) if m.count(".") == 1 and not _is_package(m))
+    assert len(roots) <= 8, f"memfit/ root modules (at most 8, the spine): {roots}"
+
+
+def _is_package(module: str) -> bool:
+    return (PACKAGE / module.split(".", 1)[1] / "__init__.py").is_file()

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from memfit.importing import collector_paused
+from memfit.runtime.importing import collector_paused
 
 pytestmark = pytest.mark.unit
 

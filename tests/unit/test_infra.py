@@ -18,7 +18,7 @@ import pytest
 import yaml
 from infra_support import EXPECTED_SERVICES, env_example, pinned
 
-from memfit.spot import DEFAULT_METADATA_URL
+from memfit.runtime.spot import DEFAULT_METADATA_URL
 
 pytestmark = pytest.mark.unit
 

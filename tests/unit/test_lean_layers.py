@@ -65,8 +65,8 @@ def test_bf16_gradients_are_as_close_to_fp32_as_the_models_own():
 
 def test_under_gradient_checkpointing_and_lora_the_gradients_are_the_same():
     from memfit.config import LoraConfig
-    from memfit.lora import prepare_lora_model
     from memfit.memory.policies import make_policy
+    from memfit.models.lora import prepare_lora_model
 
     model = prepare_lora_model(tiny("llama", layers=2), LoraConfig(enabled=True, r=4), "fp32", seed=0)
     lean = copy.deepcopy(model)

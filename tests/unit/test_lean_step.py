@@ -121,7 +121,7 @@ def test_chunked_loss_with_several_ranks_is_refused():
 
 # -- optimizers ------------------------------------------------------------------------------------------------
 def _train_steps(kind: str, in_backward: bool, steps: int = 3):
-    from memfit.optim import StepInBackward, make_adamw
+    from memfit.training.optim import StepInBackward, make_adamw
 
     model = tiny("llama", layers=2)
     opt = make_adamw(model, 1e-2, 0.01, kind=kind)
@@ -177,7 +177,7 @@ def test_optimizer_variants_train_and_keep_their_state_kind():
 
 
 def test_cpu_offload_optimizer_without_cuda_is_a_clear_error():
-    from memfit.optim import make_adamw, resolve_optimizer
+    from memfit.training.optim import make_adamw, resolve_optimizer
 
     with pytest.raises(ConfigError, match=r"^memory.optimizer: adamw-cpu-offload .* CUDA"):
         make_adamw(tiny("llama", 1), 1e-3, 0.0, kind="adamw-cpu-offload")

@@ -8,9 +8,9 @@ from memory_support import SAVE_OPS, VOCAB, tiny
 
 from memfit.config import LoraConfig, from_dict
 from memfit.errors import ConfigError
-from memfit.lora import apply_lora, is_lora_state, merge_lora
 from memfit.memory.policies import apply_policy, make_policy
 from memfit.memory.step import make_optimizer, run_step
+from memfit.models.lora import apply_lora, is_lora_state, merge_lora
 
 pytestmark = pytest.mark.unit
 
@@ -77,7 +77,7 @@ def test_qlora_gradients_do_not_change_after_an_evaluation():
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from memfit.lora import prepare_lora_model
+    from memfit.models.lora import prepare_lora_model
 
     torch.manual_seed(0)  # every projection 64 wide: bitsandbytes' packed CPU kernel takes these shapes
     base = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,

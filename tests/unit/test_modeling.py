@@ -1,4 +1,4 @@
-"""Tests of memfit.modeling: tokenizer training, preset building/caching, loading errors, block lookup."""
+"""Tests of memfit.models.loading: tokenizer training, preset building/caching, loading errors, block lookup."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from memfit.config import MemfitConfig, ModelConfig
-from memfit.data import data_digest, prepare_data, synthetic_corpus
+from memfit.data.formats import data_digest
+from memfit.data.prepare import prepare_data
+from memfit.data.synthetic import synthetic_corpus
 from memfit.errors import ConfigError, ModelLoadError
-from memfit.modeling import (
+from memfit.models.loading import (
     PRESET_MARKER,
     build_preset,
     check_seq_len,

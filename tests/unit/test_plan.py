@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from memfit import config
+from memfit.config.devices import PROFILES, get_profile
 from memfit.errors import ConfigError
 from memfit.memory.compose import Estimate, Stack, policy_name
-from memfit.memory.devices import PROFILES, get_profile
 from memfit.memory.plan import assignments, choose, every_k_kinds
 
 pytestmark = pytest.mark.unit
@@ -130,7 +130,7 @@ def test_device_profiles_and_unknown_devices():
     ("NVIDIA L40S", "l40s"), ("NVIDIA L4", "l4"), ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("Tesla T4", "t4"),
 ])
 def test_a_detected_gpu_gets_its_own_speeds(cuda_name, profile):
-    from memfit.memory.devices import profile_for_report
+    from memfit.config.devices import profile_for_report
 
     found = profile_for_report({"type": "cuda", "name": cuda_name, "memory_total_bytes": 40 * 2**30,
                                 "bf16_supported": True})
@@ -215,7 +215,7 @@ def test_max_seq_search_finds_the_longest_length_that_fits(shape):
 def test_quantize_without_lora_and_missing_bitsandbytes_are_one_line_errors(monkeypatch):
     import sys
 
-    from memfit.quantization import require_bitsandbytes
+    from memfit.models.quantization import require_bitsandbytes
 
     with pytest.raises(ConfigError, match=r"lora.quantize=nf4 .* set lora.enabled=true"):
         config.load(None, ["lora.quantize=nf4"])
@@ -229,7 +229,7 @@ def test_nf4_bytes_equal_what_bitsandbytes_holds_for_a_layer():
     bnb = pytest.importorskip("bitsandbytes")
     import torch
 
-    from memfit.quantization import NF4Quantization, nf4_bytes
+    from memfit.models.quantization import NF4Quantization, nf4_bytes
 
     layer = torch.nn.Linear(256, 192, bias=False)
     q = NF4Quantization(torch.bfloat16)._linear4bit(bnb, layer)

@@ -9,7 +9,7 @@ import sys
 import psutil
 import pytest
 
-from memfit.procs import _REAPER, start_ticks, stat_start_ticks
+from memfit.runtime.procs import _REAPER, start_ticks, stat_start_ticks
 
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(sys.platform != "linux", reason="/proc: Linux only")]
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from memfit.slots import holders, machine_slot, read_holder, slot_files
+from memfit.runtime.slots import holders, machine_slot, read_holder, slot_files
 
 pytestmark = pytest.mark.unit
 

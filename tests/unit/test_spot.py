@@ -11,8 +11,8 @@ from fixtures.faults import FakeMetadata
 
 from memfit.config import SpotWatcherConfig
 from memfit.errors import ConfigError
-from memfit.preemption import StopFlag
-from memfit.spot import DEFAULT_METADATA_URL, SpotWatcher, resolve_settings, spot_watcher
+from memfit.runtime.preemption import StopFlag
+from memfit.runtime.spot import DEFAULT_METADATA_URL, SpotWatcher, resolve_settings, spot_watcher
 
 pytestmark = pytest.mark.unit
 
@@ -44,7 +44,7 @@ def test_no_notice_is_a_404_and_nothing_happens(imds):
 def test_interruption_notice_requests_stop_with_its_time(imds, caplog):
     watcher, stop, save = _watcher(imds.url)
     imds.instance_action = {"action": "terminate", "time": "2026-11-30T12:00:00Z"}
-    with caplog.at_level(logging.WARNING, logger="memfit.spot"):
+    with caplog.at_level(logging.WARNING, logger="memfit.runtime.spot"):
         notice = watcher.poll_once()
     assert notice is not None and notice.kind == "interruption"
     assert stop.is_set() and "terminate at 2026-11-30T12:00:00Z" in stop.reason
@@ -105,7 +105,7 @@ def test_unreachable_metadata_warns_once(caplog):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     watcher, stop, _ = _watcher(f"http://127.0.0.1:{port}")
-    with caplog.at_level(logging.WARNING, logger="memfit.spot"):
+    with caplog.at_level(logging.WARNING, logger="memfit.runtime.spot"):
         for _ in range(3):
             assert watcher.poll_once() is None
     assert caplog.text.count("cannot reach") == 1 and not stop.is_set()

@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit import config
 from memfit.checkpoints import CheckpointManager
-from memfit.data import DataBundle
+from memfit.data.prepare import DataBundle
 from memfit.storage.local import LocalStore
 from memfit.training.loop import Trainer
 

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from memfit.termination import EXIT_PREEMPTED, ExitGuard, Interrupted
+from memfit.runtime.termination import EXIT_PREEMPTED, ExitGuard, Interrupted
 
 pytestmark = pytest.mark.unit
 

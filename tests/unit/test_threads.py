@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from memfit.env import default_threads, pin_threads
+from memfit.runtime.env import default_threads, pin_threads
 
 pytestmark = pytest.mark.unit
 

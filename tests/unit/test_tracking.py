@@ -51,7 +51,7 @@ def test_scrub_env_values_only_when_long_and_named_like_secrets():
 
 
 def test_environment_report_masks_secrets(monkeypatch):
-    from memfit.env import relevant_environment
+    from memfit.runtime.env import relevant_environment
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret-planted-987")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://bob:pw-planted-654@127.0.0.1:5000")

@@ -12,7 +12,7 @@ from torch import nn
 
 from memfit.config import TrainConfig
 from memfit.errors import ConfigError
-from memfit.schedule import lr_factor
+from memfit.training.schedule import lr_factor
 
 ADAMW_BETAS = (0.9, 0.95)
 

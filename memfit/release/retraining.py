@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memfit.config import MemfitConfig
+from memfit.data.files import SUPPORTED_SUFFIXES
 from memfit.errors import ConfigError, DataError
 from memfit.files import sha256_file
-from memfit.preflight import SUPPORTED_SUFFIXES
 from memfit.storage import open_store
 
 log = logging.getLogger("memfit.retrain")

@@ -11,7 +11,7 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 
 from memfit.config import MemfitConfig
-from memfit.data import DataBundle, prepare_data
+from memfit.data.prepare import DataBundle, prepare_data
 from memfit.files import atomic_path, write_json_atomic
 
 log = logging.getLogger("memfit.data")

@@ -10,14 +10,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from memfit.config_release import (
+from memfit.config.release import (
     DeployConfig,
     EvalConfig,
     ExportConfig,
     RegistryConfig,
     ServeConfig,
 )
-from memfit.config_release import Section as _Section
+from memfit.config.release import Section as _Section
 from memfit.errors import ConfigError
 
 
@@ -180,7 +180,7 @@ class MemoryConfig(_Section):
     def _known_device(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        from memfit.memory.devices import normalise_device_name
+        from memfit.config.devices import normalise_device_name
 
         return normalise_device_name(v, "memory.device")
 

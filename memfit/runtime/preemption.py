@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-log = logging.getLogger("memfit.preemption")
+log = logging.getLogger("memfit.runtime.preemption")
 
 
 class StopFlag(threading.Event):

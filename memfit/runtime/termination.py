@@ -13,7 +13,7 @@ from typing import Any
 
 from memfit.errors import MemfitError
 
-log = logging.getLogger("memfit.termination")
+log = logging.getLogger("memfit.runtime.termination")
 EXIT_PREEMPTED = 75  # the documented code: run the same command again to resume
 
 

@@ -11,7 +11,7 @@ import torch
 
 from memfit.tracking.base import Tracker
 
-log = logging.getLogger("memfit.evaluation")
+log = logging.getLogger("memfit.evaluation.review")
 
 
 def perplexity(loss: float) -> float:

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from memfit.config import MemfitConfig, ModelConfig
-from memfit.data import data_digest as _data_digest
+from memfit.data.formats import data_digest as _data_digest
 from memfit.data.templates import PRESET_CHAT_TEMPLATE, use_configured_template
 from memfit.errors import ConfigError, MemfitError, ModelLoadError
-from memfit.preflight import resolve_model_source
+from memfit.models.source import resolve_model_source
 
 SPECIAL_TOKEN = "<|endoftext|>"
 PRESET_MARKER = "memfit-preset.json"

@@ -70,7 +70,7 @@ def prepare_lora_model(model: nn.Module, lora_cfg: Any, precision: str, quantize
     """The one place a LoRA training model is built: the base quantized (lora.quantize, or `quantize`), the
     adapters added (their init drawn from `seed`), every frozen weight held in train.precision's compute
     dtype. `fake`: the estimator's meta-device model (quantization by same-sized stand-ins)."""
-    from memfit.quantization import compute_dtype, quantization_for
+    from memfit.models.quantization import compute_dtype, quantization_for
 
     policy = quantization_for(lora_cfg.quantize if quantize is None else quantize, precision, fake=fake)
     if policy is not None:
@@ -130,7 +130,7 @@ def merged_from_state(model: nn.Module, lora_cfg: Any, state: dict[str, Any],
     if not is_lora_state(state):
         model.load_state_dict(state, strict=True)
         return model
-    from memfit.quantization import quantization_for
+    from memfit.models.quantization import quantization_for
 
     policy = quantization_for(lora_cfg.quantize, "fp32")
     if policy is not None:

@@ -17,9 +17,9 @@ from typing import Any
 
 from memfit.config import SpotWatcherConfig
 from memfit.errors import ConfigError
-from memfit.preemption import StopFlag
+from memfit.runtime.preemption import StopFlag
 
-log = logging.getLogger("memfit.spot")
+log = logging.getLogger("memfit.runtime.spot")
 
 DEFAULT_METADATA_URL = "http://169.254.169.254/latest/"  # AWS IMDS; tests point this at 127.0.0.1
 INSTANCE_ACTION = "meta-data/spot/instance-action"
