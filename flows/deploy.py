@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from prefect import serve
 from prefect.client.schemas.schedules import CronSchedule
 
 from memfit.config import MemfitConfig
+from memfit.runtime.recovery import TAG_RECOVERY
+
+log = logging.getLogger("memfit.recovery")
 
 DESCRIPTIONS = {
     "finetune": "Fine-tune a causal LM: probe, plan, recover, train, evaluate and export (manual runs).",
@@ -18,11 +23,13 @@ DESCRIPTIONS = {
 
 def build_deployments(cfg: MemfitConfig, names: tuple[str, ...] = ("finetune", "retrain", "export")) -> list[Any]:
     """RunnerDeployments whose default parameters are `cfg`; the UI renders the config as a typed form."""
+    # Tags a flow run is created with are what the recovery automations see (flows/recovery.py).
+    tags = ["memfit", TAG_RECOVERY] if cfg.recovery.enabled else ["memfit"]
     from flows.finetune import finetune
 
     deployments = [finetune.to_deployment(
         "finetune", parameters={"config": cfg.model_dump(mode="json")}, description=DESCRIPTIONS["finetune"],
-        tags=["memfit"], enforce_parameter_schema=True)]
+        tags=tags, enforce_parameter_schema=True)]
     if "retrain" in names:
         from flows.retrain import retrain
 
@@ -31,7 +38,7 @@ def build_deployments(cfg: MemfitConfig, names: tuple[str, ...] = ("finetune", "
             schedules = [CronSchedule(cron=cfg.deploy.retrain_cron, timezone=cfg.deploy.timezone)]
         deployments.append(retrain.to_deployment(
             "retrain", parameters={"config": cfg.model_dump(mode="json")}, schedules=schedules,
-            description=DESCRIPTIONS["retrain"], tags=["memfit"], enforce_parameter_schema=True))
+            description=DESCRIPTIONS["retrain"], tags=tags, enforce_parameter_schema=True))
     if "export" in names:
         from flows.export import export
 
@@ -41,5 +48,13 @@ def build_deployments(cfg: MemfitConfig, names: tuple[str, ...] = ("finetune", "
 
 
 def serve_deployments(cfg: MemfitConfig, limit: int | None = None) -> None:
-    """Register the deployments with the Prefect API (PREFECT_API_URL) and run their flow runs here."""
+    """Register the deployments with the Prefect API (PREFECT_API_URL) and run their flow runs here; with recovery
+    on, the runs send heartbeats and the automations that restart them are applied first."""
+    if cfg.recovery.enabled:
+        from flows.recovery import apply_automations
+
+        # The flow runs this process starts inherit it: Prefect's engine sends a heartbeat this often.
+        os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(cfg.recovery.heartbeat_seconds))
+        for row in apply_automations(cfg):
+            log.info("recovery automation %s: %s", row["applied"], row["name"])
     serve(*build_deployments(cfg), limit=limit, print_starting_message=True, query_seconds=cfg.deploy.poll_seconds)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from prefect import flow
+from prefect.states import Failed
 
+from flows.recovery import ends_in_named_states
 from memfit.config import MemfitConfig
 from memfit.errors import OnnxExportFailed
 from memfit.phases import absolute_uri
 from memfit.reports import RunSummary
+from memfit.runtime.recovery import BUDGET_SPENT
 from memfit.tracking import scrub
+from tasks.attempt import attempt_task
 from tasks.export import export_task
 from tasks.probe import probe_task
 from tasks.recover import recover_task
@@ -18,8 +22,13 @@ from tasks.train import train_task
 
 @flow(name="memfit-finetune", flow_run_name="{config.run.name}", log_prints=True, validate_parameters=True,
       persist_result=True)
+@ends_in_named_states  # under a deployment: Preempted / MemoryLimit, the states the restart automations follow
 def finetune(config: MemfitConfig = MemfitConfig()) -> RunSummary:  # noqa: B008 - pydantic default renders in the UI
     """Fine-tune a causal LM: probe, plan, recover, train, evaluate and export."""
+    # Recovery: this flow run's attempt of its logical run (tags, name); a spent restart budget ends it here.
+    attempt = attempt_task(config)
+    if not attempt.proceed:
+        return Failed(name=BUDGET_SPENT, message=attempt.reason)
     # Phase 1: environment check + baseline OOM probe (a real plain step against the budget).
     probe = probe_task(config)
     # Phase 2: optimisation stack: the gradient-checkpointing policy and precision that fit.
@@ -27,7 +36,7 @@ def finetune(config: MemfitConfig = MemfitConfig()) -> RunSummary:  # noqa: B008
     # Phase 4 before phase 3: training starts from what recovery finds (the newest verified training checkpoint).
     resume = recover_task(config)
     # Phase 3: checkpointed training with MLflow metrics (skipped when the run already finished).
-    trained = train_task(config, plan, resume, probe)
+    trained = train_task(config, plan, resume, probe, attempt)
     # Phase 5: evaluation + verified SafeTensors and ONNX exports.
     exported = export_task(config, trained)
     summary = RunSummary(

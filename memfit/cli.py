@@ -212,6 +212,46 @@ def serve(config: ConfigArg = None, set_: SetOpt = None,
         serve_deployments(cfg, limit=limit)
     except MemfitError as err:
         _fail(err)
+automations_app = typer.Typer(no_args_is_help=True, help="Prefect automations that restart preempted or vanished "
+                               "runs (recovery section).")
+app.add_typer(automations_app, name="automations")
+
+
+@automations_app.command("apply")
+def automations_apply(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False,
+                      dry_run: Annotated[bool, typer.Option("--dry-run", help="Print them; change nothing.")] = False
+                      ) -> None:
+    """Create or update memfit's recovery automations on the Prefect server (PREFECT_API_URL); idempotent."""
+    _environment()
+    try:
+        cfg = _load(config, set_)
+        from flows.recovery import apply_automations
+
+        rows = apply_automations(cfg, dry_run=dry_run)
+    except MemfitError as err:
+        _fail(err)
+    if as_json:
+        typer.echo(json.dumps({"dry_run": dry_run, "automations": rows}))
+        return
+    for row in rows:
+        typer.echo(f"{row.get('applied', 'would apply')}: {row['name']}"
+                   + (f"\n  when {row['trigger']}\n  then {row['action']}" if "trigger" in row else ""))
+
+
+@app.command()
+def status(config: ConfigArg = None, set_: SetOpt = None, as_json: JsonOpt = False) -> None:
+    """A run's attempts (from Prefect), their causes, and how far its training checkpoints got."""
+    _environment()
+    try:
+        cfg = _load(config, set_)
+        from flows.recovery import format_status, run_status
+
+        report = run_status(cfg)
+    except MemfitError as err:
+        _fail(err)
+    typer.echo(json.dumps(report) if as_json else format_status(report))
+
+
 @app.command("serve-model")
 def serve_model(
     model: Annotated[str | None, typer.Argument(help="models:/NAME@ALIAS (followed as the alias moves), "

@@ -6,6 +6,7 @@ import json
 import logging
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from memfit.memory.policies import make_policy
 from memfit.memory.probe import explain_oom, measure_step, verdict, weights_to_device
 from memfit.memory.search import estimate_policy, plan_for, plan_table_markdown, resolve_budget, target_profile
 from memfit.preflight import preflight
-from memfit.reports import ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
+from memfit.reports import AttemptReport, ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
 from memfit.run_context import (
     build_training_model,
     checkpoint_manager,
@@ -35,6 +36,7 @@ from memfit.run_context import (
 )
 from memfit.runtime.env import environment_report, pin_threads, resolve_device
 from memfit.runtime.preemption import stop_on_signals
+from memfit.runtime.recovery import recovery_record
 from memfit.runtime.spot import spot_watcher
 from memfit.storage import open_checkpoint_store
 from memfit.tracking import make_tracker
@@ -174,8 +176,8 @@ def recover_training_checkpoint(cfg: MemfitConfig) -> ResumePoint:
 
 
 # -- phase 3 ------------------------------------------------------------------------------------------
-def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report: ProbeReport | None = None
-          ) -> TrainReport:
+def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report: ProbeReport | None = None,
+          attempt: AttemptReport | None = None) -> TrainReport:
     """Train to train.max_steps from the resume point, logging to the tracker and saving training checkpoints."""
     from memfit.training.loop import Trainer
 
@@ -200,6 +202,7 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
         if resume.local_dir:
             trainer.restore(Path(resume.local_dir))
             tracker.set_tags({"memfit.resumed_from_step": str(resume.step)})
+            record_recovery(tracker, attempt, resume.step)
         if not resume.local_dir or not tracker.continued:
             # A fresh run, or a resume whose MLflow run is not in this store: the new run gets params and plan.
             log_run_start(tracker, cfg, plan, data, probe_report)
@@ -229,6 +232,18 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
                         f"{grace:.0f} s); run the same command again to resume")
     log_training_end(tracker, plan, probe_report, result.steps)
     return result.model_copy(update={"mlflow_run_id": run_id})
+
+
+def record_recovery(tracker: Any, attempt: AttemptReport | None, resumed_step: int | None) -> None:
+    """The run's record of this resume (cause, step, steps and seconds lost) as metrics and tags, at the step
+    resumed from; `memfit status` and the MLflow UI read it back."""
+    history = tracker.metric_history("loss") if tracker.continued else []
+    last_logged = max((step for step, _ in history), default=None)
+    metrics, tags = recovery_record(attempt.model_dump() if attempt else None, resumed_step, last_logged,
+                                    attempt.previous_end if attempt else None, time.time())
+    tracker.log_metrics(metrics, step=int(resumed_step or 0))
+    tracker.set_tags(tags)
+    log.info("recovery: resumed at step %s (%s)", resumed_step, tags[next(iter(tags))])
 
 
 # -- phase 5 ------------------------------------------------------------------------------------------

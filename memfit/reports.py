@@ -11,6 +11,21 @@ class _Report(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class AttemptReport(_Report):
+    """Recovery: this flow run's place in its logical run (memfit/runtime/recovery.py decides it)."""
+
+    attempt: int = Field(1, description="1 for a fresh run; n for its (n-1)th restart.")
+    restarts_used: int = 0
+    max_restarts: int = 0
+    proceed: bool = True
+    cause: str | None = Field(None, description="Why the previous attempt ended: preempted, vanished, crashed, "
+                              "memory_limit.")
+    previous_flow_run: str | None = None
+    previous_end: float | None = Field(None, description="When the previous attempt ended (epoch seconds).")
+    run_key: str | None = Field(None, description="The logical run's key (its flow runs' memfit-run: tag).")
+    reason: str = ""
+
+
 class ProbeReport(_Report):
     """Phase 1: what hardware and libraries are here, and whether a plain training step fits."""
 

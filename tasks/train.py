@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from memfit import phases
 from memfit.config import MemfitConfig
 from memfit.memory.monitor import event_sink
-from memfit.reports import PlanReport, ProbeReport, ResumePoint, TrainReport
+from memfit.reports import AttemptReport, PlanReport, ProbeReport, ResumePoint, TrainReport
 from tasks.slots import training_slot
 
 
@@ -40,10 +40,11 @@ def emit_memory_event(event: dict[str, Any]) -> None:
 # No retries here: a retry would restart from the resume point computed before this attempt;
 # rerunning the flow recovers from the newest training checkpoint instead.
 @task(name="train", cache_policy=NO_CACHE, persist_result=True)
-def train_task(config: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe: ProbeReport) -> TrainReport:
+def train_task(config: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe: ProbeReport,
+               attempt: AttemptReport | None = None) -> TrainReport:
     if resume.finished:
-        return phases.train(config, plan, resume, probe)
+        return phases.train(config, plan, resume, probe, attempt)
     # Held for the whole of training: a second run on this machine waits (and says so) instead of sharing the
     # GPU. A run killed while holding it never blocks the next one (tasks/slots.py says how, per mode).
     with training_slot(config), event_sink(emit_memory_event):
-        return phases.train(config, plan, resume, probe)
+        return phases.train(config, plan, resume, probe, attempt)

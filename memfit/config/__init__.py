@@ -14,6 +14,7 @@ from memfit.config.release import (
     DeployConfig,
     EvalConfig,
     ExportConfig,
+    RecoveryConfig,
     RegistryConfig,
     ServeConfig,
 )
@@ -397,6 +398,7 @@ class MemfitConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)

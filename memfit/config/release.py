@@ -1,10 +1,10 @@
-"""The config sections after training: export, the eval gate, the registry, deployment and serving."""
+"""The config sections after training: export, the eval gate, the registry, deployment, recovery and serving."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -105,6 +105,43 @@ class DeployConfig(Section):
         except (ZoneInfoNotFoundError, ValueError):
             raise ValueError(f"unknown time zone {v!r}; use an IANA name such as UTC or Europe/Berlin") from None
         return v
+
+
+class RecoveryConfig(Section):
+    """Unattended recovery of deployment runs: heartbeats, Prefect automations, a restart budget (docs/spot.md)."""
+
+    enabled: bool = Field(True, description="Restart a deployment run (memfit serve, a work pool) that was "
+                          "preempted (SIGTERM, a spot notice), vanished (heartbeats stopped) or, with "
+                          "on_memory_limit: leaner, stopped at the memory limit: a new flow run of the same "
+                          "deployment with the same parameters resumes from the newest verified training "
+                          "checkpoint. Needs the automations (`memfit serve` or `memfit automations apply`). "
+                          "`memfit run` alone is never restarted by Prefect (exit 75 says: run it again).")
+    max_restarts: int = Field(3, ge=0, le=100, description="Restarts one logical run may use (its training "
+                              "checkpoints' store and run name); then the run ends in the RestartBudgetSpent "
+                              "state, naming the budget and the last cause. 0: detect and record, never restart.")
+    heartbeat_seconds: int = Field(30, ge=30, le=3600, description="How often a flow run tells the Prefect server "
+                                   "it is alive (PREFECT_FLOWS_HEARTBEAT_FREQUENCY; Prefect's minimum is 30).")
+    silent_after_seconds: int = Field(90, ge=31, le=86400, description="A run without a heartbeat for this long "
+                                      "counts as gone (the machine vanished): it is marked Crashed and restarted. "
+                                      "Longer than heartbeat_seconds; 3 heartbeats is a good start.")
+    backoff_seconds: int = Field(10, ge=0, le=3600, description="Wait before the first restart; doubled for each "
+                                 "further restart of the same logical run, up to max_backoff_seconds.")
+    max_backoff_seconds: int = Field(300, ge=0, le=86400, description="Longest wait before a restart.")
+    on_memory_limit: Literal["leaner", "stop"] = Field(
+        "leaner", description="A run stopped at the memory limit (monitor.stop_at_fraction, exit 76): leaner: "
+        "restart with the next leaner stack the planner offers (the plan remembers the peak that stopped it); "
+        "stop: end there (the MemoryLimit state) for a person to decide.")
+
+    @model_validator(mode="after")
+    def _windows(self) -> RecoveryConfig:
+        if self.heartbeat_seconds >= self.silent_after_seconds:
+            raise ValueError(f"recovery.heartbeat_seconds ({self.heartbeat_seconds}) must be shorter than "
+                             f"recovery.silent_after_seconds ({self.silent_after_seconds}), or every live run "
+                             "would count as gone; raise silent_after_seconds (3 heartbeats is a good start)")
+        if self.backoff_seconds > self.max_backoff_seconds:
+            raise ValueError(f"recovery.backoff_seconds ({self.backoff_seconds}) is above "
+                             f"recovery.max_backoff_seconds ({self.max_backoff_seconds})")
+        return self
 
 
 class ServeConfig(Section):

@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -71,3 +72,18 @@ def prefect_server(tmp: Path, bin_dir: Path, template: Path | None = None) -> It
                        env, tmp, log) as proc:
         wait_http(f"{api}/health", 120, proc, log)
         yield api
+
+
+@contextmanager
+def mlflow_server(root: Path, env: dict[str, str], artifacts: str | None = None) -> Iterator[str]:
+    """`mlflow server --workers 1` on 127.0.0.1 with a SQLite backend (artifacts proxied to `artifacts`, e.g.
+    an s3:// bucket, when given); yields its URL. Its own session: it leaves workers behind when only its PID
+    is killed."""
+    port = free_port()
+    args = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+            "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'server.db'}"]
+    args += ["--artifacts-destination", artifacts] if artifacts else ["--default-artifact-root", str(root / "art")]
+    log = root / "mlflow-server.log"
+    with process_group(args, {**env, "MLFLOW_DISABLE_TELEMETRY": "true"}, root, log) as proc:
+        wait_http(f"http://127.0.0.1:{port}/health", 120, proc, log)
+        yield f"http://127.0.0.1:{port}"

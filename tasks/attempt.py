@@ -1,0 +1,61 @@
+"""Recovery task: which attempt of its logical run this flow run is; its tags and name say so in Prefect."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prefect import runtime, task
+from prefect.cache_policies import NO_CACHE
+
+from memfit.config import MemfitConfig
+from memfit.phases import absolute_uri
+from memfit.reports import AttemptReport
+from memfit.runtime import recovery as rules
+
+log = logging.getLogger("memfit.recovery")
+
+
+@task(name="recovery-attempt", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=3)
+def attempt_task(config: MemfitConfig) -> AttemptReport:
+    key = rules.run_key(config.run.name, absolute_uri(config.checkpoint.uri))
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterTags
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    flow_run_id = runtime.flow_run.id
+    with get_client(sync_client=True) as client:
+        own = client.read_flow_run(flow_run_id) if flow_run_id else None
+        deployment_id = own.deployment_id if own else None
+        if not deployment_id:
+            # `memfit run`, a subflow: no automation restarts it (the exit code and the caller decide).
+            return AttemptReport(max_restarts=config.recovery.max_restarts, run_key=key,
+                                 reason="not a deployment run")
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[rules.RUN_TAG_PREFIX + key]),
+                                          deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id])),
+            sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=200)
+        history = [rules.PastAttempt(
+            flow_run_id=str(r.id), state_name=r.state.name if r.state else "", message=(r.state.message or "")
+            if r.state else "", state_type=r.state.type.value if r.state else "",
+            start_time=r.start_time.timestamp() if r.start_time else None,
+            end_time=(r.end_time or (r.state.timestamp if r.state else None)).timestamp()
+            if (r.end_time or r.state) else None) for r in runs if str(r.id) != str(flow_run_id)]
+        decision = rules.decide_attempt(history, config.recovery.max_restarts, key)
+        if decision.attempt > 1 and decision.proceed and not config.recovery.enabled:
+            decision = decision.model_copy(update={"proceed": False, "reason": "recovery.enabled is false: "
+                                                   f"not restarted after the previous attempt {decision.cause}"})
+        tags = {t for t in own.tags if not t.startswith((rules.RUN_TAG_PREFIX, rules.ATTEMPT_TAG_PREFIX))}
+        tags |= {rules.TAG_MEMFIT, rules.RUN_TAG_PREFIX + key, f"{rules.ATTEMPT_TAG_PREFIX}{decision.attempt}"}
+        name = config.run.name if decision.attempt == 1 else f"{config.run.name}-attempt-{decision.attempt}"
+        client.update_flow_run(flow_run_id, name=name, tags=sorted(tags))
+    log.info("recovery: attempt %d of run %s (%s)", decision.attempt, key, decision.reason)
+    if decision.proceed and decision.attempt > 1 and decision.previous_end is not None:
+        rec = config.recovery
+        wait = rules.backoff_wait(decision.attempt - 1, rec.backoff_seconds, rec.max_backoff_seconds,
+                                  time.time() - decision.previous_end)
+        if wait > 0:  # repeated restarts wait longer: a crash loop costs little (the first wait was the automation's)
+            log.info("recovery: waiting %.0f s before restart %d (recovery.backoff_seconds doubled per restart)",
+                     wait, decision.attempt - 1)
+            time.sleep(wait)
+    return decision
