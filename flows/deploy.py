@@ -6,7 +6,6 @@ import logging
 import os
 from typing import Any
 
-from prefect import serve
 from prefect.client.schemas.schedules import CronSchedule
 
 from memfit.config import MemfitConfig
@@ -57,4 +56,8 @@ def serve_deployments(cfg: MemfitConfig, limit: int | None = None) -> None:
         os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(cfg.recovery.heartbeat_seconds))
         for row in apply_automations(cfg):
             log.info("recovery automation %s: %s", row["applied"], row["name"])
-    serve(*build_deployments(cfg), limit=limit, print_starting_message=True, query_seconds=cfg.deploy.poll_seconds)
+    # prefect.serve's runner, except on SIGTERM (flows/draining.py): its flow runs end Preempted, not Cancelled.
+    from flows.draining import serve_draining
+
+    serve_draining(build_deployments(cfg), limit=limit, query_seconds=cfg.deploy.poll_seconds,
+                   drain_seconds=cfg.checkpoint.grace_seconds + 30)

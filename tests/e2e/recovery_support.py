@@ -48,10 +48,35 @@ class Machine:
         return self
 
     def vanish(self) -> None:
-        """SIGKILL the machine's whole process group: the server, the flow run, its tracking process."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        """SIGKILL everything the machine runs at once: its process group and every descendant (Prefect starts
+        each flow run in a process group of its own, so the group alone would leave the training running)."""
+        import psutil
+
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait(10)
+        psutil.wait_procs(tree, timeout=10)
+
+    def preempt(self, timeout: float = 120) -> int | None:
+        """A spot notice to the whole machine: SIGTERM to its process group, then wait for it to end."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.vanish()
+            return None
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

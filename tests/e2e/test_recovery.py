@@ -121,3 +121,90 @@ def test_a_vanished_machine_is_detected_restarted_elsewhere_and_finishes(cluster
     assert metrics["recovery/downtime_s"] > 0
     steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")]
     assert max(steps) == 160 and set(range(1, 161)) <= set(steps)  # nothing missing from the story
+
+
+def _final(client, flow_run_id):
+    run = client.read_flow_run(flow_run_id)
+    return run if run.state and run.state.is_final() else None
+
+
+def _next_run(client, deployment_id, after: set) -> object:
+    runs = [r for r in flow_runs(client, deployment_id=deployment_id) if r.id not in after]
+    return runs[0] if runs else None
+
+
+def test_preemption_restarts_at_once_and_the_budget_ends_the_run(cluster):
+    """SIGTERM (a spot notice) ends the run Preempted and it is restarted after the backoff, without waiting for
+    the silence window; with recovery.max_restarts: 1 the second preemption's restart ends RestartBudgetSpent."""
+    from prefect.client.orchestration import get_client
+
+    run, s3, bucket = "preempt", cluster["s3"], cluster["bucket"]
+    machines = [Machine(cluster["root"], f"spot-{i}", cluster["env"]) for i in range(3)]
+    context = lambda: "\n".join(f"--- {m.dir.name} ---\n{m.tail()}" for m in machines)  # noqa: E731
+    seen: set = set()
+    try:
+        with get_client(sync_client=True) as client:
+            _serve(cluster, machines[0], run, "recovery.max_restarts=1")
+            deployment = _deployment(client, machines[0])
+            current = client.create_flow_run_from_deployment(deployment.id)
+            for i in range(2):
+                seen.add(current.id)
+                before = len(complete_checkpoints(s3, bucket, run))
+                wait_until(f"a training checkpoint of attempt {i + 1}",
+                           lambda n=before: len(complete_checkpoints(s3, bucket, run)) > n, 300, context, every=0.2)
+                machines[i].preempt()
+                ended = wait_until(f"attempt {i + 1} ended", lambda c=current: _final(client, c.id), 60, context)
+                assert ended.state.name == "Preempted", (ended.state, context())
+                assert "training checkpoint" in ended.state.message
+                ended_at = time.monotonic()
+                # The restart exists before the silence window (35 s) could have passed: it came from the state.
+                current = wait_until("the restart scheduled", lambda: _next_run(client, deployment.id, seen), 30,
+                                     context, every=0.5)
+                assert time.monotonic() - ended_at < 30
+                _serve(cluster, machines[i + 1], run, "recovery.max_restarts=1")
+            final = wait_until("attempt 3 ended", lambda: _final(client, current.id), 180, context)
+            names = [r.name for r in flow_runs(client, deployment_id=deployment.id)]
+    finally:
+        for m in machines:
+            m.stop()
+    assert final.state.name == "RestartBudgetSpent", (final.state, context())
+    assert "1 of recovery.max_restarts=1" in final.state.message and "preempted" in final.state.message
+    assert names == [run, f"{run}-attempt-2", f"{run}-attempt-3"], names
+
+
+def test_bad_input_and_cancelled_runs_are_not_restarted_and_apply_is_idempotent(cluster):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    from flows.recovery import apply_automations
+    from memfit import config as cfgmod
+
+    machine = _serve(cluster, Machine(cluster["root"], "plain", cluster["env"]), "plain")
+    try:
+        with get_client(sync_client=True) as client:
+            deployment = _deployment(client, machine)
+            params = dict(deployment.parameters)
+            params["config"] = {**params["config"], "data": {**params["config"]["data"], "path": "/nonexistent/x"}}
+            bad = client.create_flow_run_from_deployment(deployment.id, parameters=params)
+            bad = wait_until("the bad-input run ended", lambda: _final(client, bad.id), 120, machine.tail)
+            assert bad.state.type.value == "FAILED" and bad.state.name == "Failed", bad.state
+            good = client.create_flow_run_from_deployment(deployment.id)
+            wait_until("running", lambda: client.read_flow_run(good.id).state.is_running(), 120, machine.tail)
+            client.set_flow_run_state(good.id, Cancelling(), force=True)
+            cancelled = wait_until("cancelled", lambda: _final(client, good.id), 120, machine.tail)
+            assert cancelled.state.type.value == "CANCELLED", cancelled.state
+            time.sleep(8)  # several times the restart delay (1 s): a restart would exist by now
+            ids = {r.id for r in flow_runs(client, deployment_id=deployment.id)}
+            assert ids == {bad.id, good.id}, ids
+            cfg = cfgmod.load(TINY, overrides_as_list("plain", cluster))
+            first, second = apply_automations(cfg), apply_automations(cfg)
+            assert {r["applied"] for r in second} == {"unchanged"}, second
+            mine = [a for a in client.read_automations() if a.name.startswith("memfit: ")]
+            assert sorted(a.name for a in mine) == sorted(r["name"] for r in first)
+    finally:
+        machine.stop()
+
+
+def overrides_as_list(run: str, cluster) -> list[str]:
+    args = overrides(run, f"s3://{cluster['bucket']}/{run}", cluster["tracking"])
+    return args[1::2]
