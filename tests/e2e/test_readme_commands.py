@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SECTIONS = ["Run from the Prefect UI", "Schedule retraining", "Review in MLflow", "Deploy on spot instances",
-            "Several GPUs and machines"]
+            "Recover without a person", "Several GPUs and machines"]
 
 
 def anchor(title: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -58,13 +59,25 @@ def test_every_config_passes_the_servers_schema_validation(path, monkeypatch):
 
 
 def test_memfit_serve_asks_for_runs_as_often_as_deploy_poll_seconds(monkeypatch):
-    """A run started from the UI waits for the runner's next query: memfit's 2 s, or the config's, not Prefect's 10."""
-    from flows import deploy
+    """A run started from the UI waits for the runner's next query: memfit's 2 s, or the config's, not Prefect's 10.
+    With recovery on, the automations are applied first, the runs send heartbeats and the deployments carry the
+    tag the restart automation follows; with it off, none of that."""
+    from flows import deploy, draining, recovery
     from memfit.config import load
 
     seen: dict = {}
-    monkeypatch.setattr(deploy, "serve", lambda *deps, **kw: seen.update(kw, names=[d.name for d in deps]))
+    applied: list = []
+    monkeypatch.setattr(draining, "serve_draining", lambda deps, **kw: seen.update(
+        kw, names=[d.name for d in deps], tags=[d.tags for d in deps]))
+    monkeypatch.setattr(recovery, "apply_automations", lambda cfg: applied.append(cfg) or [])
+    monkeypatch.delenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", raising=False)
     deploy.serve_deployments(load(REPO / "configs" / "tiny.yaml"))
     assert seen["query_seconds"] == 2 and {"finetune", "export"} <= set(seen["names"])
-    deploy.serve_deployments(load(REPO / "configs" / "tiny.yaml", ["deploy.poll_seconds=7"]), limit=1)
+    assert len(applied) == 1 and os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
+    assert "memfit-recovery" in seen["tags"][0] and seen["drain_seconds"] >= 30
+    monkeypatch.delenv("PREFECT_FLOWS_HEARTBEAT_FREQUENCY")
+    deploy.serve_deployments(load(REPO / "configs" / "tiny.yaml", ["deploy.poll_seconds=7", "recovery.enabled=false"]),
+                             limit=1)
     assert seen["query_seconds"] == 7 and seen["limit"] == 1
+    assert len(applied) == 1 and "PREFECT_FLOWS_HEARTBEAT_FREQUENCY" not in os.environ
+    assert "memfit-recovery" not in seen["tags"][0]
