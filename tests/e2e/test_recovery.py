@@ -11,7 +11,18 @@ import subprocess
 import time
 
 import pytest
-from recovery_support import BIN, TINY, Machine, complete_checkpoints, flow_runs, ks, machine_env, overrides, wait_until
+from recovery_support import (
+    BIN,
+    REPO,
+    TINY,
+    Machine,
+    complete_checkpoints,
+    flow_runs,
+    ks,
+    machine_env,
+    overrides,
+    wait_until,
+)
 from servers import mlflow_server, prefect_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -51,19 +62,21 @@ def _deployment(client, machine: Machine):
     return wait_until("deployment registered", found, 120, machine.tail)
 
 
-def _reference_weights(cluster, run: str) -> bytes:
-    """The same run uninterrupted, by `memfit run` in the default mode: the weights every recovery must equal."""
-    folder = cluster["root"] / f"reference-{run}"
+@pytest.fixture(scope="module")
+def reference_weights(cluster) -> bytes:
+    """The run uninterrupted, by `memfit run` in the default mode: the weights every recovery must equal (the run's
+    name and stores do not enter the numerics, so one reference serves every test here)."""
+    folder = cluster["root"] / "reference"
     folder.mkdir()
     env = {**ks.cli_env(cluster["endpoint"], folder / "prefect-home")}
-    sets = overrides(run, f"s3://{cluster['bucket']}/reference-{run}", f"sqlite:///{folder / 'mlflow.db'}")
+    sets = overrides("reference", f"s3://{cluster['bucket']}/reference", f"sqlite:///{folder / 'mlflow.db'}")
     done = subprocess.run([str(BIN / "memfit"), "run", TINY, *sets, "--json"], env=env, cwd=folder,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return next(folder.glob("runs/**/export/hf/model.safetensors")).read_bytes()
 
 
-def test_a_vanished_machine_is_detected_restarted_elsewhere_and_finishes(cluster):
+def test_a_vanished_machine_is_detected_restarted_elsewhere_and_finishes(cluster, reference_weights):
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
 
@@ -108,7 +121,7 @@ def test_a_vanished_machine_is_detected_restarted_elsewhere_and_finishes(cluster
     # Detected within the silence window and a few evaluation rounds of the server's trigger service.
     assert crashed_after < 35 + 45, crashed_after
     assert b.weights() is not None and a.weights() is None, context()
-    assert b.weights().read_bytes() == _reference_weights(cluster, run), "recovered weights differ"
+    assert b.weights().read_bytes() == reference_weights, "recovered weights differ"
     client = MlflowClient(cluster["tracking"])
     exp = client.get_experiment_by_name("recovery-e2e")
     runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{run}'")
@@ -208,3 +221,78 @@ def test_bad_input_and_cancelled_runs_are_not_restarted_and_apply_is_idempotent(
 def overrides_as_list(run: str, cluster) -> list[str]:
     args = overrides(run, f"s3://{cluster['bucket']}/{run}", cluster["tracking"])
     return args[1::2]
+
+
+def test_a_vanished_worker_machine_is_restarted_on_the_other_worker(cluster, reference_weights):
+    """The same with `prefect deploy` and a process work pool: two workers stand for two machines (each its own
+    work folder, MEMFIT_HOME for the deployment's pull step), the automations applied by the CLI."""
+    import yaml
+    from mlflow import MlflowClient
+    from prefect.client.orchestration import get_client
+
+    from memfit import config as cfgmod
+
+    run, s3, bucket, root = "workers", cluster["s3"], cluster["bucket"], cluster["root"]
+    pool, sets = "memfit-process-e2e", overrides(run, f"s3://{bucket}/{run}", cluster["tracking"])
+    env = cluster["env"]
+    cfg = cfgmod.load(TINY, sets[1::2])
+    deploy_file = root / "workers-prefect.yaml"
+    deploy_file.write_text(yaml.safe_dump({
+        "name": "memfit", "prefect-version": "3.9.1", "build": None, "push": None,
+        "pull": [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $MEMFIT_HOME }}"}}],
+        "deployments": [{"name": "finetune-workers", "entrypoint": "flows/finetune.py:finetune",
+                         "work_pool": {"name": pool, "job_variables": {
+                             "env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}}},
+                         "tags": ["memfit", "memfit-recovery"],
+                         "parameters": {"config": cfg.model_dump(mode="json")}}]}))
+    for args in (["prefect", "work-pool", "create", "--type", "process", pool],
+                 ["prefect", "--no-prompt", "deploy", "--prefect-file", str(deploy_file), "--name",
+                  "finetune-workers"],
+                 ["memfit", "automations", "apply", TINY, *sets]):
+        done = subprocess.run([str(BIN / args[0]), *args[1:]], env={**env, "PREFECT_HOME": str(root / "cli-home")},
+                              cwd=REPO, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-2000:])
+    machines = []
+    for name in ("worker-a", "worker-b"):
+        m = Machine(root, name, env)
+        for link in ("flows", "tasks", "configs"):
+            (m.dir / link).rmdir() if (m.dir / link).is_dir() and not (m.dir / link).is_symlink() else None
+            (m.dir / link).symlink_to(REPO / link)
+        m.env["MEMFIT_HOME"] = str(m.dir)
+        machines.append(m)
+    a, b = machines
+    context = lambda: f"--- A ---\n{a.tail()}\n--- B ---\n{b.tail()}"  # noqa: E731
+    worker = [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--prefetch-seconds", "5"]
+    try:
+        a.start([*worker, "--name", "worker-a"])
+        with get_client(sync_client=True) as client:
+            deployment = client.read_deployment_by_name("memfit-finetune/finetune-workers")
+            first = client.create_flow_run_from_deployment(deployment.id)
+            wait_until("two training checkpoints committed", lambda: len(complete_checkpoints(s3, bucket, run)) >= 2,
+                       300, context, every=0.2)
+            a.vanish()
+            newest = complete_checkpoints(s3, bucket, run)[-1]
+            b.start([*worker, "--name", "worker-b"])
+            state = wait_until("marked Crashed", lambda: (s := client.read_flow_run(first.id).state).type.value ==
+                               "CRASHED" and s, 35 + 60, context)
+            assert "no heartbeat" in state.message
+            second = wait_until("restarted and finished", lambda: _next_final(client, deployment.id, first.id), 400,
+                                context, every=2)
+    finally:
+        a.stop()
+        b.stop()
+    assert second.state.is_completed(), (second.state, context())
+    assert second.name == f"{run}-attempt-2" and second.parameters == first.parameters
+    assert b.weights() is not None and a.weights() is None, context()
+    assert b.weights().read_bytes() == reference_weights, "recovered weights differ"
+    client = MlflowClient(cluster["tracking"])
+    exp = client.get_experiment_by_name("recovery-e2e")
+    runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{run}'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["memfit.recovery.last_cause"] == "vanished"
+    assert runs[0].data.metrics["recovery/resumed_from_step"] == newest
+
+
+def _next_final(client, deployment_id, first_id):
+    runs = [r for r in flow_runs(client, deployment_id=deployment_id) if r.id != first_id]
+    return runs[0] if runs and runs[0].state and runs[0].state.is_final() else None
