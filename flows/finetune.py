@@ -7,6 +7,7 @@ from prefect.states import Failed
 
 from flows.recovery import ends_in_named_states
 from memfit.config import MemfitConfig
+from memfit.config.form import RunForm
 from memfit.errors import OnnxExportFailed
 from memfit.phases import absolute_uri
 from memfit.reports import RunSummary
@@ -23,8 +24,10 @@ from tasks.train import train_task
 @flow(name="memfit-finetune", flow_run_name="{config.run.name}", log_prints=True, validate_parameters=True,
       persist_result=True)
 @ends_in_named_states  # under a deployment: Preempted / MemoryLimit, the states the restart automations follow
-def finetune(config: MemfitConfig = MemfitConfig()) -> RunSummary:  # noqa: B008 - pydantic default renders in the UI
-    """Fine-tune a causal LM: probe, plan, recover, train, evaluate and export."""
+def finetune(form: RunForm = RunForm(), config: MemfitConfig = MemfitConfig()) -> RunSummary:  # noqa: B008
+    """Fine-tune a causal LM: probe, plan, recover, train, evaluate and export. The form's fields (model, data,
+    steps, ...) come first in the UI; empty ones keep the config's values (the full tree, below them)."""
+    config = form.apply(config)
     # Recovery: this flow run's attempt of its logical run (tags, name); a spent restart budget ends it here.
     attempt = attempt_task(config)
     if not attempt.proceed:

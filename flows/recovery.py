@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 from collections.abc import Callable
@@ -154,12 +155,14 @@ def ends_in_named_states(fn: Callable[..., Any]) -> Callable[..., Any]:
     restart automations trigger on (Preempted, MemoryLimit); elsewhere (memfit run) the error propagates as before
     and becomes exit 75 or 76."""
 
+    signature = inspect.signature(fn)
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except (Preempted, MemoryLimitError) as err:
-            state = named_final_state(kwargs.get("config", args[0] if args else None), err)
+            state = named_final_state(signature.bind_partial(*args, **kwargs).arguments.get("config"), err)
             if state is None:
                 raise
             log.warning("%s: %s", state.name, err)
