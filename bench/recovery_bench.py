@@ -118,7 +118,7 @@ def main() -> None:
     finally:
         moto.stop()
     print(table(rows))
-    args.out.write_text(json.dumps({"every_steps": EVERY, "silent_after_seconds": 35, "heartbeat_seconds": 30,
+    args.out.write_text(json.dumps({"every_steps": EVERY, "silent_after_seconds": 50, "heartbeat_seconds": 30,
                                     "backoff_seconds": 1, "trials": rows}, indent=1) + "\n")
     plot(rows, args.out.with_suffix(".png"))
 

@@ -6,6 +6,7 @@ import functools
 import inspect
 import json
 import logging
+import typing
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -168,6 +169,10 @@ def ends_in_named_states(fn: Callable[..., Any]) -> Callable[..., Any]:
             log.warning("%s: %s", state.name, err)
             return state
 
+    # Resolved types, not the strings of `from __future__ import annotations`: Prefect builds the parameter model
+    # from the wrapper, whose module globals are this one's, not the flow's.
+    wrapper.__annotations__ = typing.get_type_hints(fn)
+    wrapper.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
     return wrapper
 
 

@@ -24,7 +24,7 @@ def overrides(name: str, checkpoint_uri: str, tracking_uri: str, *extra: str) ->
     sets = [f"run.name={name}", "train.max_steps=160", "checkpoint.every_steps=20", "data.synthetic_docs=300",
             "export.onnx=false", f"checkpoint.uri={checkpoint_uri}", f"tracking.uri={tracking_uri}",
             "tracking.experiment=recovery-e2e", "deploy.poll_seconds=1", "recovery.heartbeat_seconds=30",
-            "recovery.silent_after_seconds=35", "recovery.backoff_seconds=1", "recovery.max_backoff_seconds=4",
+            "recovery.silent_after_seconds=50", "recovery.backoff_seconds=1", "recovery.max_backoff_seconds=4",
             "registry.enabled=false", *extra]
     return [arg for s in sets for arg in ("--set", s)]
 

@@ -40,3 +40,13 @@ def test_a_bad_value_names_the_config_key():
         RunForm(device="tpu-9000").apply(cfgmod.load(None, []))
     with pytest.raises(ConfigError, match="train.batch_size"):  # 3 sequences do not split into 2 micro-batches
         RunForm(batch_size=3).apply(cfgmod.load(None, ["train.grad_accum_steps=2"]))
+
+
+def test_the_flow_validates_its_parameters_as_a_deployment_run_sends_them():
+    # Prefect validates a deployment run's JSON parameters against the flow's signature before it starts.
+    from flows.finetune import finetune
+
+    cfg = cfgmod.load(None, []).model_dump(mode="json")
+    params = finetune.validate_parameters({"form": {"max_steps": 5}, "config": cfg})
+    assert params["form"].max_steps == 5 and params["config"].train.max_steps == cfg["train"]["max_steps"]
+    assert isinstance(finetune.validate_parameters({"config": cfg})["form"], RunForm)
