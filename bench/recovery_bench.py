@@ -92,7 +92,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "recovery_bench.json")
     args = ap.parse_args()
     rng = random.Random(args.seed)
+    import logging
+
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per S3 request otherwise
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

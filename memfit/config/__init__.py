@@ -71,7 +71,7 @@ class DataConfig(_Section):
     train_on: Literal["all", "completion", "assistant"] = Field(
         "all", description="Tokens the loss trains on: all; completion (the completion of prompt_completion "
         "records, the last assistant turn of messages); assistant (every assistant turn, from the template's "
-        "generation markers). Labels are -100 elsewhere.")
+        "generation markers, or rendered turn by turn when it has none). Labels are -100 elsewhere.")
     packing: Literal["blocks", "padding_free", "none"] = Field(
         "blocks", description="blocks: all examples concatenated and cut into seq_len blocks (attention crosses "
         "examples); padding_free: whole examples packed up to seq_len tokens a row, position_ids restarting and "

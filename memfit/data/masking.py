@@ -7,7 +7,7 @@ from typing import Any
 
 from memfit.config import DataConfig
 from memfit.data.formats import Corpus
-from memfit.data.templates import chat_template, render_turns
+from memfit.data.templates import chat_template, render_turns, template_source
 from memfit.errors import DataError, ModelLoadError
 
 log = logging.getLogger("memfit.data")
@@ -67,10 +67,11 @@ def encode_examples(corpus: Corpus, tokenizer: Any, data: DataConfig) -> list[En
             c = [*c, eos]
             out.append(([*p, *c], [*([IGNORE] * len(p)), *c] if train_on != "all" else [*p, *c]))
         return out
-    chat_template(tokenizer, data)  # fails once, clearly, for a missing template or one without markers
-    out, no_answer = [], 0
+    chat_template(tokenizer, data)  # fails once, clearly, for a missing template
+    out, no_answer, source = [], 0, template_source(data)
     for example, where in zip(corpus.examples, corpus.origins, strict=True):
-        ids, mask = render_turns(tokenizer, example["messages"], where, data.messages_field)
+        ids, mask = render_turns(tokenizer, example["messages"], where, data.messages_field, source,
+                                 masks=train_on != "all")
         if train_on == "completion":
             mask = last_run(mask)
         if train_on != "all" and not any(mask):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -74,17 +75,8 @@ def template_source(data: DataConfig) -> str:
 
 
 def check_template_source(data: DataConfig) -> None:
-    """A given template exists; with train_on: assistant it must mark assistant turns (preflight's check)."""
-    template = configured_template(data)
-    if template is not None and data.train_on == "assistant" and not has_generation_markers(template):
-        raise _no_markers(data)
-
-
-def _no_markers(data: DataConfig) -> DataError:
-    return DataError(f"data.train_on: assistant needs a chat template that marks assistant turns with "
-                     f"{{% generation %}}...{{% endgeneration %}}; {template_source(data)} has none (every label "
-                     "would be -100): add the markers, set data.chat_template (chatml, llama-3 or a file), "
-                     "or use data.train_on: all")
+    """A given template exists and reads (preflight's check); one without markers is rendered turn by turn."""
+    configured_template(data)
 
 
 def use_configured_template(tokenizer: Any, data: DataConfig) -> Any:
@@ -103,26 +95,75 @@ def chat_template(tokenizer: Any, data: DataConfig) -> str:
     if not template:
         raise DataError("data.chat_template: the model's tokenizer has no chat template, which messages data "
                         "needs; set data.chat_template to a Jinja file or a built-in (chatml, llama-3)")
-    if data.train_on in ("assistant", "completion") and not has_generation_markers(template):
-        raise _no_markers(data)
     return template
 
 
-def render_turns(tokenizer: Any, messages: list[dict[str, str]], where: tuple[str, int], field: str
-                 ) -> tuple[list[int], list[int]]:
-    """(input_ids, assistant mask) of one conversation through apply_chat_template's generation markers."""
+def render_turns(tokenizer: Any, messages: list[dict[str, str]], where: tuple[str, int], field: str,
+                 source: str = "the chat template", masks: bool = True) -> tuple[list[int], list[int]]:
+    """(input_ids, assistant mask) of one conversation: the template's generation markers, else turn by turn."""
     from jinja2.exceptions import TemplateError
 
     try:
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, add_generation_prompt=False)
+        if not masks:  # train_on: all needs no turn boundaries
+            ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                     add_generation_prompt=False)["input_ids"])
+            return ids, [0] * len(ids)
+        if has_generation_markers(_template_text(tokenizer)):
+            out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True, add_generation_prompt=False)
+            ids = list(out["input_ids"])
+            return ids, list(out.get("assistant_masks") or [0] * len(ids))
+        return turn_by_turn(tokenizer, messages, where, source)
     except TemplateError as err:
         raise DataError(f"data.path: {where[0]} record {where[1]}: field {field!r}: the chat template refused "
                         f"it ({err}); use roles the template knows or another data.chat_template") from None
-    ids = list(out["input_ids"])
-    return ids, list(out.get("assistant_masks") or [0] * len(ids))
+
+
+def _template_text(tokenizer: Any) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return template.get("default", "") if isinstance(template, dict) else template
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
     """The text a model continues to answer `messages` (the template with its generation prompt)."""
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+
+
+def turn_by_turn(tokenizer: Any, messages: list[dict[str, str]], where: tuple[str, int], source: str
+                 ) -> tuple[list[int], list[int]]:
+    """(input_ids, assistant mask) for a template without markers, from the rendered prefix of each turn.
+
+    An assistant turn is the text between the conversation rendered up to it (with the generation prompt: the
+    turn's header; or, for a template without one, the text the turn rendered with two stand-in answers shares)
+    and the conversation rendered through it, trailing whitespace left out (the newline between turns).
+    The character spans become tokens by the tokenizer's offsets, with the rule apply_chat_template uses for
+    {% generation %} spans, so both give the same labels token by token."""
+    full = _render(tokenizer, messages, False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        through = _render(tokenizer, messages[:i + 1], False)
+        before = _render(tokenizer, messages[:i], True) if i else ""
+        if before == (_render(tokenizer, messages[:i], False) if i else ""):
+            # No generation prompt (the template ignores it, or this is the first turn): the turn's header is
+            # what the turn rendered with two stand-in answers has in common.
+            stand_ins = [_render(tokenizer, [*messages[:i], {**message, "content": c}], False) for c in "ab"]
+            before = os.path.commonprefix(stand_ins)
+        end = len(through.rstrip())
+        if not through.startswith(before) or not full.startswith(through[:end]):
+            name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+            raise DataError(
+                f"data.chat_template: {source} ({name}) re-renders earlier turns differently ({where[0]} record "
+                f"{where[1]}, turn {i + 1}, role assistant, renders otherwise once later turns follow), so its "
+                "answers cannot be found turn by turn; add {% generation %}...{% endgeneration %} markers to "
+                "it, set data.chat_template (chatml, llama-3 or a file), or use data.train_on: all")
+        spans.append((len(before), end))
+    enc = tokenizer(full, add_special_tokens=False)
+    offsets = enc.encodings[0].offsets if enc.encodings else enc["offset_mapping"]
+    mask = [int(any(t_end > start and t_start < stop for start, stop in spans)) for t_start, t_end in offsets]
+    return list(enc["input_ids"]), mask

@@ -19,6 +19,7 @@ from memfit.memory.policies import BLOCK_KINDS, OFFLOAD_EMULATION, assign_blocks
 from memfit.memory.step import host_bytes as optimizer_host_bytes
 from memfit.memory.step import init_optimizer_state, make_optimizer, op_cost_model, run_step
 from memfit.memory.tracker import Segment, StepTracker
+from memfit.models.experts import traceable_experts
 
 log = logging.getLogger("memfit.memory")
 
@@ -127,7 +128,8 @@ def fake_tracing() -> Iterator[Any]:
     if original is not None:
         masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
-        yield FakeTensorMode(allow_non_fake_inputs=False)
+        with traceable_experts():  # MoE experts' grouped_mm in fp32 / bf16-mixed (memfit/models/experts.py)
+            yield FakeTensorMode(allow_non_fake_inputs=False)
     finally:
         if original is not None:
             masking_utils.find_packed_sequence_indices = original

@@ -19,6 +19,7 @@ from torch import nn
 import memfit
 from memfit.errors import ExportError
 from memfit.files import commit_folder, file_record, fsync_tree, probe_writable, sha256_file, temporary_sibling
+from memfit.models import experts
 from memfit.release import onnx_cache
 from memfit.release.parity import ParityCriteria, ShapeParity, parity_failure, shape_parity
 
@@ -314,6 +315,12 @@ def export_onnx(
         )
     _ready_to_write(model, out_path.parent, "ONNX export")
     src = _fp32_cpu(model)
+    with experts.for_export(src):
+        return _export_onnx(model, src, out_path, criteria, opset, shapes, metadata, example_shape)
+
+
+def _export_onnx(model, src, out_path: Path, criteria: ParityCriteria, opset: int | None, shapes, metadata,
+                 example_shape: tuple[int, int]) -> OnnxExport:
     external = sum(p.numel() * 4 for p in src.parameters()) > EXTERNAL_DATA_BYTES
 
     # A temporary folder beside out_path, holding the file under its final name: external data is

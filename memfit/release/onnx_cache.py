@@ -77,6 +77,7 @@ def graph_key(wrapper: nn.Module, model: nn.Module, example_shape: tuple[int, in
         "wrapper": f"{type(wrapper).__module__}.{type(wrapper).__qualname__}",
         "config": config_doc,
         "attn_implementation": getattr(config, "_attn_implementation", None),
+        "experts_implementation": getattr(config, "_experts_implementation", None),
         "layout": _layout(wrapper),
         "example_shape": list(example_shape),
         "opset": opset,

@@ -21,6 +21,7 @@ from memfit.data.order import BatchOrder
 from memfit.data.prepare import DataBundle
 from memfit.memory.monitor import MemoryMonitor
 from memfit.memory.probe import autocast_context
+from memfit.models import experts
 from memfit.reports import TrainReport
 from memfit.runtime.env import keep_heap
 from memfit.tracking.base import Tracker
@@ -197,6 +198,16 @@ class Trainer:
                 metrics["checkpoint_upload_mb_per_s"] = rec.upload_mb_per_s
             self.tracker.log_metrics(metrics, step=rec.step)
 
+    def _log_routing(self) -> None:
+        """MoE only: the router's auxiliary loss apart from the loss, and expert utilisation (min/max share)."""
+        routing = getattr(self.loss, "last_routing", None)
+        if routing is None:
+            return
+        aux, logits = routing
+        top_k = getattr(getattr(self.model, "config", None), "num_experts_per_tok", None) or 1
+        self.tracker.log_metrics({"router_aux_loss": float(aux), **experts.routing_stats(logits, top_k)},
+                                 step=self.step)
+
     def _agree(self, loss_sum: torch.Tensor, stop: threading.Event | None,
                save_request: threading.Event | None) -> Agreement:
         asked = save_request is not None and save_request.is_set()
@@ -236,6 +247,7 @@ class Trainer:
                     peak_mem = max(peak_mem, memory[0])
                     steplog.add(self.step, agreed.loss, grad_norm, lr=self.scheduler.get_last_lr()[0],
                                 tokens=tokens_per_step, seconds=dt, memory=memory)
+                    self._log_routing()
                 bar.update(1)
                 # The newest loss read, not this step's: reading it here would make every step wait.
                 loss_shown = {} if steplog.last_loss is None else {"loss": f"{steplog.last_loss:.3f}"}

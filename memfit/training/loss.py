@@ -54,9 +54,15 @@ class PlainLoss:
     """The model's own loss: full [batch, seq, vocab] logits, then cross-entropy (what transformers does)."""
 
     name = "plain"
+    # An MoE model's last (router aux loss, router logits), detached, for the metrics interval; None when dense.
+    last_routing: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
     def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        return model(**batch).loss
+        out = model(**batch)
+        aux = getattr(out, "aux_loss", None)  # MoE with output_router_logits: already in out.loss (its coef)
+        if aux is not None:
+            self.last_routing = (aux.detach(), tuple(r.detach() for r in out.router_logits or ()))
+        return out.loss
 
 
 # The vocabulary size from which `memory.loss: auto` chunks: there the fp32 logits of a sequence ([seq, vocab] x 4

@@ -23,6 +23,7 @@ from memfit.checkpoints.reader import read_checkpoint_folder
 from memfit.checkpoints.sharded import ShardedCheckpointer, dcp_shards, load_into
 from memfit.config import MemoryConfig, TrainConfig
 from memfit.errors import CheckpointError, ConfigError
+from memfit.models import experts
 from memfit.training import optim
 from memfit.training.schedule import capture_rng
 
@@ -64,6 +65,7 @@ class SingleProcess:
         m = m or MemoryConfig()
         if t.precision == "bf16-true":
             model.to(torch.bfloat16)
+        experts.apply(model, "train", self.device.type)  # MoE only: what this device and dtype can run
         self.model = self._wrap(model)
         self.optimizer_kind = self._optimizer_kind(m.optimizer)
         # memory.optimizer_in_backward (auto: off unless a plan turns it on); the config refused what it cannot do.

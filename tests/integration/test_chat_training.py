@@ -13,6 +13,7 @@ import pytest
 import torch
 from chat_support import messages_jsonl, prompt_completion_parquet
 from safetensors.torch import load_file
+from shipped_templates import SHIPPED
 from tests_support import tiny_overrides
 
 from memfit import config, phases
@@ -70,6 +71,28 @@ def test_padding_free_run_killed_after_a_checkpoint_resumes_bitwise(tmp_path, mo
     a, b = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "killed")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+
+
+def test_own_chatml_template_without_markers_trains_exactly_what_markers_train(tmp_path, caplog):
+    """SmolLM2's template as shipped (answers found turn by turn) against the same with generation markers."""
+    data = messages_jsonl(tmp_path / "chat.jsonl", 120)
+    shipped, marked, _, _ = SHIPPED["smollm2-chatml"]
+    results, weights = [], []
+    for name, template in (("shipped", shipped), ("marked", marked)):
+        (tmp_path / f"{name}.jinja").write_text(template)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="memfit.data"):
+            results.append(_train(_config(tmp_path, **{
+                "data.path": str(data), "data.seq_len": 128, "data.chat_template": str(tmp_path / f"{name}.jinja"),
+                "checkpoint.uri": str(tmp_path / name), "train.max_steps": 10, "checkpoint.every_steps": 10})))
+        share = float(caplog.text.split("trained tokens (train_on assistant): ")[1].split("%")[0]) / 100
+        assert 0.05 < share < 0.6, share  # the answers, not the prompts, system turns or headers
+        weights.append(_final_weights(tmp_path / name))
+    a, b = results
+    assert a.final_train_loss < a.initial_val_loss - 0.5, (a.initial_val_loss, a.final_train_loss)
+    # Same labels, token by token, so the same run: equal losses and equal weights.
+    assert (a.initial_val_loss, a.final_train_loss) == (b.initial_val_loss, b.final_train_loss)
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ CONVERSATION = [
 ]
 ANSWERS = ["2 plus 3 is 5.", "one two three."]
 END = {"chatml": "<|im_end|>", "llama-3": "<|eot_id|>", "memfit-preset": "<|endoftext|>"}
-# Llama 3's own template has no {% generation %} markers: what users meet with train_on: assistant.
+# Llama 3's own template has no {% generation %} markers (the built-in llama-3 has them).
 LLAMA3_WITHOUT_MARKERS = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
                           "'<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}{% endfor %}")
 
@@ -97,13 +97,13 @@ def test_prompt_completion_trains_the_completion_and_eos(texts):
     assert tok.decode([i for i, lab in zip(ids, labels, strict=True) if lab == IGNORE]) == example["prompt"]
 
 
-def test_template_without_generation_markers_is_refused_for_assistant_training(texts):
+def test_template_without_generation_markers_trains_the_same_tokens_as_with_them(texts):
     tok = bpe_tokenizer(texts, TEMPLATE_SPECIALS["llama-3"])
-    tok.chat_template = LLAMA3_WITHOUT_MARKERS
-    with pytest.raises(DataError, match=r"data\.train_on: assistant.*generation"):
-        _encode(tok, [{"messages": CONVERSATION}], "messages", "assistant")
-    [(ids, labels)] = _encode(tok, [{"messages": CONVERSATION}], "messages", "all")  # all tokens: fine
-    assert labels == ids
+    tok.chat_template = LLAMA3_WITHOUT_MARKERS  # answers found turn by turn (tests/unit/test_turn_masks.py)
+    [(ids, labels)] = _encode(tok, [{"messages": CONVERSATION}], "messages", "assistant")
+    assert (ids, labels) == _encode(_tokenizer(texts, "llama-3"), [{"messages": CONVERSATION}], "messages",
+                                    "assistant")[0]
+    assert [tok.decode(r) for r in _runs(ids, labels)] == [a + END["llama-3"] for a in ANSWERS]
 
 
 def test_model_without_template_and_messages_data_says_how_to_supply_one(texts):

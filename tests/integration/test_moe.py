@@ -1,0 +1,81 @@
+"""Mixture-of-experts families end to end on CPU: train in fp32 and bf16-mixed, routing metrics, exports, estimate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from chat_support import bpe_tokenizer, conversation_texts
+from tests_support import tiny_overrides
+
+from memfit import config, phases
+from memfit.reports import PlanReport
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+COMMON = {"vocab_size": 400, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 256}
+# Tiny shapes of each family, built from transformers' own config classes (no hub download).
+FAMILIES = {
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 16},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 32,
+                "layer_types": ["sliding_attention", "full_attention"]},
+    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                    "n_shared_experts": 1, "first_k_dense_replace": 1, "num_key_value_heads": 4, "kv_lora_rank": 32,
+                    "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                    "n_group": 1, "topk_group": 1},
+}
+ALWAYS = "qwen3_moe"  # one MoE family on every run; the rest under -m slow
+
+
+def family_folder(root: Path, family: str) -> Path:
+    """A random-weight from_pretrained folder of `family` with a tokenizer trained here."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = root / family
+    if not (out / "config.json").exists():
+        tok = bpe_tokenizer(conversation_texts(), vocab_size=400)
+        cfg = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family]}, bos_token_id=tok.bos_token_id,
+                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+        tok.save_pretrained(out)
+    return out
+
+
+def _params() -> list:
+    return [pytest.param(family, marks=() if family == ALWAYS else pytest.mark.slow) for family in FAMILIES]
+
+
+@pytest.mark.parametrize("family", _params())
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_moe_family_trains_and_exports(tmp_path_factory, tmp_path, family, precision):
+    from transformers import AutoModelForCausalLM
+
+    folder = family_folder(tmp_path_factory.getbasetemp() / "moe-families", family)
+    cfg = config.load(REPO / "configs" / "tiny.yaml", tiny_overrides(tmp_path, None, **{
+        "model.name_or_path": str(folder), "train.max_steps": 12, "checkpoint.every_steps": 12,
+        "train.log_every_steps": 4, "tracking.backend": "null", "train.precision": precision,
+        "train.num_threads": 1, "train.eval_batches": 2}))
+    plan = PlanReport(policy="none", every_k=2, precision=precision, micro_batch_size=cfg.train.micro_batch_size,
+                      grad_accum_steps=cfg.train.grad_accum_steps, reason="test", description="none")
+    result = phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), None)
+    assert result.steps == 12
+    assert result.final_train_loss < result.initial_val_loss - 0.3, (result.initial_val_loss, result.final_train_loss)
+
+    # Exports of the family: a SafeTensors folder transformers loads, an ONNX file within parity.
+    from memfit.release import formats
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tok = bpe_tokenizer(conversation_texts(), vocab_size=400)
+    st = formats.export_safetensors(model, tok, tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(st.dir)
+    ids = torch.randint(0, 400, (2, 9))
+    with torch.no_grad():
+        assert torch.allclose(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+    onnx = formats.export_onnx(model, tmp_path / "model.onnx")
+    assert onnx.max_abs_diff < 1e-4
+    # The caller's model keeps the implementation it trains with.
+    assert model.config._experts_implementation == "grouped_mm"
