@@ -39,7 +39,7 @@ def trial(i: int, cluster: dict, rng: random.Random) -> dict:
     target, delay = rng.randint(1, 4), rng.uniform(0.0, 3.0)
     try:
         with get_client(sync_client=True) as client:
-            dep = rs.wait_until("deployment", lambda: _deployment(client), 120, ctx)
+            dep = rs.wait_until("deployment", lambda: _deployment(client, run), 120, ctx)
             first = client.create_flow_run_from_deployment(dep.id)
             rs.wait_until("checkpoint", lambda: len(rs.complete_checkpoints(s3, bucket, run)) >= target, 400, ctx, 0.1)
             time.sleep(delay)
@@ -68,11 +68,13 @@ def trial(i: int, cluster: dict, rng: random.Random) -> dict:
             "first_resumed_step_s": round(first_step / 1000 - killed, 1)}
 
 
-def _deployment(client):
+def _deployment(client, run: str):
+    """The deployment once this trial's machine registered it with this trial's config."""
     try:
-        return client.read_deployment_by_name("memfit-finetune/finetune")
+        dep = client.read_deployment_by_name("memfit-finetune/finetune")
     except Exception:  # noqa: BLE001 - not registered yet
         return None
+    return dep if dep.parameters["config"]["run"]["name"] == run else None
 
 
 def table(rows: list[dict]) -> str:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
 import logging
+import signal
+import threading
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -161,7 +164,8 @@ def ends_in_named_states(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with _preempted_on_sigterm():
+                return fn(*args, **kwargs)
         except (Preempted, MemoryLimitError) as err:
             state = named_final_state(signature.bind_partial(*args, **kwargs).arguments.get("config"), err)
             if state is None:
@@ -176,13 +180,39 @@ def ends_in_named_states(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def named_final_state(cfg: MemfitConfig | None, err: Exception) -> Any:
-    """Failed(name=Preempted / MemoryLimit) for a deployment run that recovery may restart; None otherwise."""
+@contextlib.contextmanager
+def _preempted_on_sigterm() -> Iterator[None]:
+    """In a deployment run's process, a SIGTERM outside training (loading, restoring, evaluating) ends the run
+    Preempted at once: nothing new to save, the newest training checkpoint stands. Training installs its own
+    handler (finish the step, save) and puts this one back after. Seen without it: a SIGTERM while a restarted
+    run restored its checkpoint was lost, and the runner's drain deadline ended the run Cancelled."""
+    if not _deployment_run() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Preempted(f"stopped by {signal.Signals(signum).name} outside training: nothing new to save, the "
+                        "newest training checkpoint stands")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _deployment_run() -> bool:
     from prefect.context import FlowRunContext
-    from prefect.states import Failed
 
     ctx = FlowRunContext.get()  # this flow run's own deployment: a subflow has none (its parent ends named)
-    if cfg is None or ctx is None or ctx.flow_run is None or not ctx.flow_run.deployment_id:
+    return bool(ctx is not None and ctx.flow_run is not None and ctx.flow_run.deployment_id)
+
+
+def named_final_state(cfg: MemfitConfig | None, err: Exception) -> Any:
+    """Failed(name=Preempted / MemoryLimit) for a deployment run that recovery may restart; None otherwise."""
+    from prefect.states import Failed
+
+    if cfg is None or not _deployment_run():
         return None
     if isinstance(err, Preempted):
         return Failed(name=rules.PREEMPTED, message=f"{err} (recovery restarts it)" if cfg.recovery.enabled

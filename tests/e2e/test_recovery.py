@@ -51,13 +51,16 @@ def _serve(cluster, machine: Machine, run: str, *extra: str) -> Machine:
     return machine.start([str(BIN / "memfit"), "serve", TINY, *sets])
 
 
-def _deployment(client, machine: Machine):
+def _deployment(client, machine: Machine, run: str):
+    """The finetune deployment once this machine's `memfit serve` registered it with `run`'s config (an earlier
+    test's registration of the same deployment may still be there)."""
     def found():
         assert machine.proc.poll() is None, machine.tail()
         try:
-            return client.read_deployment_by_name("memfit-finetune/finetune")
+            deployment = client.read_deployment_by_name("memfit-finetune/finetune")
         except Exception:  # noqa: BLE001 - not registered yet
             return None
+        return deployment if deployment.parameters["config"]["run"]["name"] == run else None
 
     return wait_until("deployment registered", found, 120, machine.tail)
 
@@ -86,7 +89,7 @@ def test_a_vanished_machine_is_detected_restarted_elsewhere_and_finishes(cluster
     context = lambda: f"--- A ---\n{a.tail()}\n--- B ---\n{b.tail()}"  # noqa: E731
     try:
         with get_client(sync_client=True) as client:
-            deployment = _deployment(client, a)
+            deployment = _deployment(client, a, run)
             names = {x.name for x in client.read_automations()}
             assert names >= {"memfit: mark silent runs crashed", "memfit: restart preempted or vanished runs"}
             first = client.create_flow_run_from_deployment(deployment.id)
@@ -106,7 +109,7 @@ def test_a_vanished_machine_is_detected_restarted_elsewhere_and_finishes(cluster
             assert "no heartbeat" in (state.message or ""), state
 
             def restarted_and_done():
-                runs = [r for r in flow_runs(client, deployment_id=deployment.id) if r.id != first.id]
+                runs = [r for r in _runs_of(client, deployment.id, run) if r.id != first.id]
                 final = [r for r in runs if r.state and r.state.is_final()]
                 return final[0] if final else None
 
@@ -141,8 +144,14 @@ def _final(client, flow_run_id):
     return run if run.state and run.state.is_final() else None
 
 
-def _next_run(client, deployment_id, after: set) -> object:
-    runs = [r for r in flow_runs(client, deployment_id=deployment_id) if r.id not in after]
+def _runs_of(client, deployment_id, run: str) -> list:
+    """The deployment's flow runs of this logical run (earlier tests ran the same deployment with other names)."""
+    return [r for r in flow_runs(client, deployment_id=deployment_id)
+            if r.parameters.get("config", {}).get("run", {}).get("name") == run]
+
+
+def _next_run(client, deployment_id, run: str, after: set) -> object:
+    runs = [r for r in _runs_of(client, deployment_id, run) if r.id not in after]
     return runs[0] if runs else None
 
 
@@ -158,7 +167,7 @@ def _preemption_chain(cluster, run: str, max_restarts: int, kills: int) -> tuple
     try:
         with get_client(sync_client=True) as client:
             _serve(cluster, machines[0], run, budget)
-            deployment = _deployment(client, machines[0])
+            deployment = _deployment(client, machines[0], run)
             current = client.create_flow_run_from_deployment(deployment.id)
             for i in range(kills):
                 seen.add(current.id)
@@ -171,12 +180,12 @@ def _preemption_chain(cluster, run: str, max_restarts: int, kills: int) -> tuple
                 assert "training checkpoint" in ended.state.message
                 ended_at = time.monotonic()
                 # The restart exists before the silence window (50 s) could have passed: it came from the state.
-                current = wait_until("the restart scheduled", lambda: _next_run(client, deployment.id, seen), 30,
+                current = wait_until("the restart scheduled", lambda: _next_run(client, deployment.id, run, seen), 30,
                                      context, every=0.5)
                 assert time.monotonic() - ended_at < 30
                 _serve(cluster, machines[i + 1], run, budget)
             final = wait_until("the last attempt ended", lambda: _final(client, current.id), 300, context, every=2)
-            return final, [r.name for r in flow_runs(client, deployment_id=deployment.id)]
+            return final, [r.name for r in _runs_of(client, deployment.id, run)]
     finally:
         for m in machines:
             m.stop()
@@ -217,7 +226,7 @@ def test_bad_input_and_cancelled_runs_are_not_restarted_and_apply_is_idempotent(
     machine = _serve(cluster, Machine(cluster["root"], "plain", cluster["env"]), "plain")
     try:
         with get_client(sync_client=True) as client:
-            deployment = _deployment(client, machine)
+            deployment = _deployment(client, machine, "plain")
             params = dict(deployment.parameters)
             params["config"] = {**params["config"], "data": {**params["config"]["data"], "path": "/nonexistent/x"}}
             bad = client.create_flow_run_from_deployment(deployment.id, parameters=params)
@@ -229,7 +238,7 @@ def test_bad_input_and_cancelled_runs_are_not_restarted_and_apply_is_idempotent(
             cancelled = wait_until("cancelled", lambda: _final(client, good.id), 120, machine.tail)
             assert cancelled.state.type.value == "CANCELLED", cancelled.state
             time.sleep(8)  # several times the restart delay (1 s): a restart would exist by now
-            ids = {r.id for r in flow_runs(client, deployment_id=deployment.id)}
+            ids = {r.id for r in _runs_of(client, deployment.id, "plain")}
             assert ids == {bad.id, good.id}, ids
             cfg = cfgmod.load(TINY, overrides_as_list("plain", cluster))
             first, second = apply_automations(cfg), apply_automations(cfg)
