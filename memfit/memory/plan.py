@@ -54,8 +54,10 @@ class MeasuredPeak:
 
     @property
     def ratio(self) -> float:
-        """What the stack measured over what it was predicted to need (1.0 when no prediction was recorded)."""
-        return self.measured_bytes / self.predicted_bytes if self.predicted_bytes > 0 else 1.0
+        """What the stack measured over what it was predicted to need, never below 1: a reading under the estimate
+        (the first step's, before the optimizer state exists) says nothing about the steady peak, and an
+        estimate is never scaled down by it (1.0 when no prediction was recorded)."""
+        return max(1.0, self.measured_bytes / self.predicted_bytes) if self.predicted_bytes > 0 else 1.0
 
     def label(self) -> str:
         return f"{_kinds_label(self.kinds)}, {self.stack.label()}"

@@ -48,6 +48,10 @@ def test_a_candidate_the_measurement_scales_past_the_limit_is_out_though_its_est
     why = measured_reason(mixed, [m])
     assert why is not None and "scaled by what none, fp32, micro-batch 8x1 measured (1.2x its estimate)" in why
     assert measured_reason(est(["full"] * N), [m]) is None
+    # A reading below its estimate (the first step's, before the optimizer state) scales nothing down.
+    early = stopped(none, int(none.peak_bytes * 0.8), int(none.peak_bytes * 0.7))
+    assert early.ratio == 1.0 and measured_reason(mixed, [early]) is not None
+    assert measured_reason(est(["full"] * N), [early]) is None
 
 
 def test_no_leaner_stack_left_is_one_line_naming_the_measured_peak_and_what_to_change():
