@@ -352,9 +352,12 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
     try:
         cfg = _load(config, set_)
         with collector_paused(freeze=_OWN_PROCESS):
-            from memfit.memory.search import plan_report, plan_table_markdown
+            from memfit.memory.plan import plan_table_markdown
+            from memfit.memory.search import plan_report
+            from memfit.run_context import measured_peaks_for
 
-        result, out = plan_report(cfg, device, budget_gb)
+        # Stacks this run was stopped at the memory limit with (recovery.on_memory_limit leaner) are out.
+        result, out = plan_report(cfg, device, budget_gb, measured=measured_peaks_for(cfg))
         if cfg.distributed.world_size > 1:
             from memfit.memory.search import per_gpu_report
 

@@ -16,10 +16,11 @@ from memfit.checkpoints import CheckpointIndex
 from memfit.config import MemfitConfig
 from memfit.data.cache import cached_data
 from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryBudgetError, MemoryLimitError, Preempted
+from memfit.memory.plan import plan_table_markdown
 from memfit.memory.plan_cache import cache_path, load_plan, plan_key, store_plan
 from memfit.memory.policies import make_policy
 from memfit.memory.probe import explain_oom, measure_step, verdict, weights_to_device
-from memfit.memory.search import estimate_policy, plan_for, plan_table_markdown, resolve_budget, target_profile
+from memfit.memory.search import estimate_policy, plan_for, resolve_budget, target_profile
 from memfit.preflight import preflight
 from memfit.reports import AttemptReport, ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
 from memfit.run_context import (
@@ -28,8 +29,10 @@ from memfit.run_context import (
     load_inputs,
     log_run_start,
     log_training_end,
+    measured_peaks_for,
     plan_policy,
     planned_config,
+    remember_memory_limit,
     run_identity,
     run_tags,
     staging_dir,
@@ -91,16 +94,21 @@ def check_environment_and_probe(cfg: MemfitConfig) -> ProbeReport:
 # -- phase 2 ------------------------------------------------------------------------------------------
 def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
     """Choose the optimisation stack with the memory planner (or estimate a fixed memory.policy); the same
-    config, device, architecture and code as a run before in this work folder reuse its plan."""
+    config, device, architecture and code as a run before in this work folder reuse its plan. With
+    recovery.on_memory_limit leaner, the stacks this run was stopped at the memory limit with are ruled out."""
     device = probe_report.environment["device"]
     if cfg.memory.policy == "offload" and device["type"] != "cuda":
         make_policy("offload").apply(torch.nn.Linear(1, 1))  # raises the policy's own clear error
     profile = target_profile(cfg.memory, device)
     budget, source = resolve_budget(cfg.memory, profile, device)
-    cached = cache_path(cfg.run.work_dir, plan_key(cfg, profile, budget, source, probe_report.architecture))
+    measured = measured_peaks_for(cfg)
+    for m in measured:
+        log.info("memory limit before: %s measured %.4g GB at step %d > limit %.4g GB (%s): planning leaner",
+                 m.label(), m.measured_bytes / 1e9, m.step, m.limit_bytes / 1e9, m.limit_source)
+    cached = cache_path(cfg.run.work_dir, plan_key(cfg, profile, budget, source, probe_report.architecture, measured))
     report = load_plan(cached)
     if report is None:
-        report = _plan(cfg, probe_report, profile, budget, source)
+        report = _plan(cfg, probe_report, profile, budget, source, measured)
         store_plan(cached, report)
     log.info("optimisation stack: %s (%s)", report.description, report.reason)
     log.info("memory plan candidates:\n%s", report.table_markdown)
@@ -110,13 +118,15 @@ def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
     return plan_distributed(cfg, probe_report, report)
 
 
-def _plan(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: int | None, source: str
-          ) -> PlanReport:
+def _plan(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: int | None, source: str,
+          measured: list[Any]) -> PlanReport:
     device = probe_report.environment["device"]
-    plan = plan_for(cfg, profile, budget, source, hf_config=_hf_config(probe_report.architecture))
+    plan = plan_for(cfg, profile, budget, source, hf_config=_hf_config(probe_report.architecture), measured=measured)
     weights = plan.chosen.weight_bytes if plan.chosen is not None else None
-    if not plan.fits and (cfg.memory.policy == "auto" or (budget is not None and weights and weights > budget)):
-        # The planner found nothing, or even a forced policy cannot hold the weights themselves.
+    if not plan.fits and (cfg.memory.policy == "auto" or (budget is not None and weights and weights > budget)
+                          or (plan.chosen is not None and plan.excluded(plan.chosen))):
+        # The planner found nothing, even a forced policy cannot hold the weights themselves, or a forced policy
+        # was stopped at the memory limit before (it would stop again).
         raise MemoryBudgetError(plan.error or "no stack fits the memory budget")
     if not plan.fits:
         log.warning("memory.policy=%s is predicted not to fit: %s", cfg.memory.policy, plan.error)
@@ -218,7 +228,9 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
         manager.close()
     if result.memory_limit and result.steps < cfg.train.max_steps:
         tracker.end_run("KILLED")
-        raise MemoryLimitError(f"{result.memory_limit} (training checkpoint {result.last_checkpoint_uri})")
+        where = remember_memory_limit(cfg, plan, result.memory_limit_reading) if result.memory_limit_reading else []
+        raise MemoryLimitError(f"{result.memory_limit} (training checkpoint {result.last_checkpoint_uri}"
+                               + (f"; measured peak recorded in {where[0]}" if where else "") + ")")
     if result.preempted:
         took = stop.seconds_since_request() or 0.0
         grace = cfg.checkpoint.grace_seconds

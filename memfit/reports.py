@@ -97,6 +97,9 @@ class TrainReport(_Report):
         None, description="Training-checkpoint saves: count, skipped, mean stall and snapshot seconds, upload MB/s.")
     memory_limit: str | None = Field(None, description="Why the memory monitor stopped training (monitor."
                                      "stop_at_fraction), when it did; the caller raises MemoryLimitError.")
+    memory_limit_reading: dict[str, Any] | None = Field(
+        None, description="The reading that stopped it (step, peak_bytes, budget_bytes, budget_source, measure): "
+        "recorded against the planned stack so a restart plans a leaner one (memfit/memory/limits.py).")
 
 
 class ExportReport(_Report):

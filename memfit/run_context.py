@@ -7,6 +7,7 @@ import json
 import logging
 import platform
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,12 @@ from memfit.checkpoints import CheckpointManager
 from memfit.config import MemfitConfig
 from memfit.data.formats import data_digest, load_texts
 from memfit.data.prepare import DataBundle
+from memfit.memory import limits
+from memfit.memory.plan import MeasuredPeak
 from memfit.memory.policies import apply_policy, make_policy
 from memfit.models.loading import check_seq_len, load_model_and_tokenizer
 from memfit.reports import PlanReport, ProbeReport
+from memfit.runtime.recovery import run_key
 from memfit.storage import open_checkpoint_store
 from memfit.tracking.records import log_memory_figure, on_tracker
 
@@ -51,6 +55,36 @@ def run_identity(cfg: MemfitConfig) -> dict[str, Any]:
     for volatile in ("max_steps", "device", "num_threads", "log_every_steps", "eval_batches"):
         t.pop(volatile)
     return {"model": cfg.model.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"), "train": t}
+
+
+def identity_key(cfg: MemfitConfig) -> str:
+    """A short hash of run_identity: a measured memory limit applies to the same workload only."""
+    return hashlib.sha256(json.dumps(run_identity(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def memory_limits_path(cfg: MemfitConfig) -> Path:
+    """This logical run's copy of its memory limits in the local plan cache (the store keeps the other)."""
+    uri = cfg.checkpoint.uri if "://" in cfg.checkpoint.uri else str(Path(cfg.checkpoint.uri).absolute())
+    return limits.local_path(cfg.run.work_dir, run_key(cfg.run.name, uri))
+
+
+def measured_peaks_for(cfg: MemfitConfig) -> list[MeasuredPeak]:
+    """With recovery.on_memory_limit leaner: the stacks this run was stopped at the memory limit with, as the
+    planner must respect them; with stop: none (the same stack is planned again, for a person to decide)."""
+    if cfg.recovery.on_memory_limit != "leaner":
+        return []
+    records = limits.load(open_checkpoint_store(cfg), memory_limits_path(cfg))
+    return limits.measured_peaks(records, identity_key(cfg), cfg.memory.budget_gb, cfg.monitor.stop_at_fraction)
+
+
+def remember_memory_limit(cfg: MemfitConfig, plan: PlanReport, reading: dict[str, Any]) -> list[str]:
+    """Record the peak that stopped training against the stack that ran, beside its training checkpoints and in
+    the local plan cache; returns where it was written."""
+    record = limits.record_from(plan, reading, identity_key(cfg), cfg.monitor.stop_at_fraction or 1.0, time.time())
+    written = limits.save(open_checkpoint_store(cfg), memory_limits_path(cfg), record)
+    log.info("memory limit recorded: %s measured %.4g GB at step %d (%s)", plan.description,
+             record.measured_bytes / 1e9, record.step, ", ".join(written) or "nowhere")
+    return written
 
 
 

@@ -21,6 +21,10 @@ log = logging.getLogger("memfit.memory")
 GB = 1e9
 WARNING_EVENT = "memfit.memory.warning"
 LIMIT_EVENT = "memfit.memory.limit"
+# What the stop message tells a person to do, by recovery.on_memory_limit.
+STOP_ADVICE = "run the same command with --set memory.policy=full (or a policy that fits) to resume from it"
+LEANER_ADVICE = ("run the same command again to resume from it with a leaner stack (recovery.on_memory_limit="
+                 "leaner: the planner rules this stack out by its measured peak)")
 
 # Callables that receive each warning/limit event (a dict); the Prefect task layer adds one that emits a
 # Prefect event, so memfit itself never imports prefect.
@@ -120,18 +124,21 @@ class MemoryMonitor:
     through."""
 
     def __init__(self, cfg: Any, budget: Budget, device: torch.device, tracker: Any, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, run_name: str = "memfit") -> None:
+                 optimizer: torch.optim.Optimizer, run_name: str = "memfit", advice: str = STOP_ADVICE) -> None:
         self.cfg, self.budget, self.device, self.tracker = cfg, budget, device, tracker
-        self.model, self.optimizer, self.run_name = model, optimizer, run_name
+        self.model, self.optimizer, self.run_name, self.advice = model, optimizer, run_name, advice
         self.readings: list[MemoryReading] = []
         self.warned = False
         self.stop_requested = False
         self.stop_message = ""
+        self.stop_reading: MemoryReading | None = None
         self.postfix: dict[str, str] = {}
         self._process = psutil.Process()
         self._rss_start = self._process.memory_info().rss
         self._cuda_peak = 0
         self._counted_peak: int | None = None  # CPU: the tensor peak of the newest counted step
+        self._started = False
+        self._first_step = 1  # the first step this process runs (a resumed run's is after its checkpoint's)
 
     @classmethod
     def for_run(cls, cfg: Any, device: torch.device, tracker: Any, model: nn.Module,
@@ -145,17 +152,20 @@ class MemoryMonitor:
             budget = Budget(int(target.usable_bytes), f"usable memory of a {target.name} (memory.device)",
                             "allocated_peak" if device.type == "cuda" else
                             ("tensor_peak" if cfg.monitor.track_tensors else "rss_delta"))
-        return cls(cfg.monitor, budget, device, tracker, model, optimizer, cfg.run.name)
+        advice = LEANER_ADVICE if cfg.recovery.on_memory_limit == "leaner" else STOP_ADVICE
+        return cls(cfg.monitor, budget, device, tracker, model, optimizer, cfg.run.name, advice)
 
     # -- the per-step hook -----------------------------------------------------------------------------
     def sampled(self, step: int) -> bool:
-        return step == 1 or step % self.cfg.every_steps == 0
+        return step == self._first_step or step % self.cfg.every_steps == 0
 
     def counted(self, step: int) -> bool:
         """CPU: whether live tensor bytes are counted during this step (a TorchDispatchMode: the step is slower).
-        Steps 1 and 2 (the first with optimizer state) and every monitor.count_every_steps: with the same shapes
-        every step reaches the same peak, so the readings in between report the last counted one."""
-        return step <= 2 or step % self.cfg.count_every_steps == 0
+        The first two steps this process runs (from step 1: the second is the first with optimizer state) and
+        every monitor.count_every_steps: with the same shapes every step reaches the same peak, so the readings
+        in between report the last counted one. A resumed run counts its own first steps too: it may run a
+        different stack than the run that saved the training checkpoint (a restart with a leaner stack)."""
+        return step - self._first_step < 2 or step % self.cfg.count_every_steps == 0
 
     @contextlib.contextmanager
     def watch(self, step: int) -> Iterator[None]:
@@ -163,6 +173,8 @@ class MemoryMonitor:
         if not self.cfg.enabled:
             yield
             return
+        if not self._started:
+            self._first_step, self._started = step, True
         live = self._tensor_counter() if self.counted(step) else None
         try:
             if live is not None:
@@ -286,12 +298,11 @@ class MemoryMonitor:
         self._emit(event)
 
     def _stop(self, r: MemoryReading) -> None:
-        self.stop_requested = True
+        self.stop_requested, self.stop_reading = True, r
         self.stop_message = (
             f"memory peak {r.peak_bytes / GB:.4g} GB [{r.measure}] at step {r.step} passed monitor.stop_at_fraction="
             f"{self.cfg.stop_at_fraction} of the {self.budget.bytes / GB:.4g} GB budget ({self.budget.source}): "
-            "stopped with a training checkpoint instead of running out of memory; run the same command with "
-            "--set memory.policy=full (or a policy that fits) to resume from it")
+            f"stopped with a training checkpoint instead of running out of memory; {self.advice}")
         event = self._event(LIMIT_EVENT, r, self.cfg.stop_at_fraction)
         log.error("%s", self.stop_message, extra={"memfit_event": event})
         self.tracker.set_tags({"memfit.memory.limit": self.stop_message, "memfit.status": "memory_limit"})

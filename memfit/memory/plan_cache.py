@@ -6,6 +6,7 @@ import functools
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,15 @@ def code_fingerprint() -> str:
     return h.hexdigest()
 
 
-def plan_key(cfg: Any, profile: Any, budget: int | None, source: str, architecture: dict[str, Any]) -> str:
+def plan_key(cfg: Any, profile: Any, budget: int | None, source: str, architecture: dict[str, Any],
+             measured: Sequence[Any] = ()) -> str:
     """The whole resolved config (what the plan reads is spread over most of it), the target device's profile,
-    the budget and where it came from, the model's architecture and the code fingerprint."""
+    the budget and where it came from, the model's architecture, the code fingerprint, and the peaks measured
+    at the memory limit (a stop makes the next plan a new one, never the cached plan that stopped)."""
     parts = {"config": cfg.model_dump(mode="json"), "profile": asdict(profile), "budget": budget, "source": source,
              "architecture": architecture, "code": code_fingerprint()}
+    if measured:
+        parts["measured"] = [asdict(m) for m in measured]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

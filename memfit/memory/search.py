@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -21,7 +22,7 @@ from memfit.memory.candidates import (
 )
 from memfit.memory.compose import Estimate, Stack
 from memfit.memory.estimate import Estimator, model_config_for, n_blocks_of
-from memfit.memory.plan import Plan, assignments, choose
+from memfit.memory.plan import MeasuredPeak, Plan, assignments, choose, measured_reason
 from memfit.memory.policies import make_policy
 from memfit.memory.tracker import total
 
@@ -115,9 +116,10 @@ def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:
 
 
 def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, hf_config: Any | None = None,
-             estimator: Estimator | None = None) -> Plan:
+             estimator: Estimator | None = None, measured: Sequence[MeasuredPeak] = ()) -> Plan:
     """Estimate the candidate stacks tier by tier and choose; a fixed memory.policy is estimated only (with
-    lora.enabled=auto: that policy on each LoRA fallback, until one fits)."""
+    lora.enabled=auto: that policy on each LoRA fallback, until one fits). `measured`: stacks this run was
+    stopped at the memory limit with (memory/limits.py); they and what their measurement rules out never fit."""
     t0 = time.perf_counter()
     est = estimator or make_estimator(cfg, profile, hf_config)
     n = est.n_blocks
@@ -134,17 +136,19 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         fixed = policy_kinds(cfg, n, policy)
         chosen = est.estimate(configured, fixed)
         limit = None if budget is None else budget * (1.0 - cfg.memory.safety_margin)
-        if cfg.lora.enabled != "auto" or limit is None or chosen.peak_bytes <= limit:
+        if cfg.lora.enabled != "auto" or ((limit is None or chosen.peak_bytes <= limit)
+                                          and measured_reason(chosen, measured) is None):
             return choose([chosen], budget, configured=configured, baseline=baseline,
-                          safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=policy)
+                          safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=policy,
+                          measured=measured)
         every, fixed_policy = [fixed], policy
     else:
         fixed_policy = None
         limit = None if budget is None else budget * (1.0 - cfg.memory.safety_margin)
-        if limit is None or baseline.peak_bytes <= limit:
+        if (limit is None or baseline.peak_bytes <= limit) and measured_reason(baseline, measured) is None:
             # No recompute and the configured micro-batch fit: nothing can be faster, nothing else to trace.
             return choose([baseline], budget, configured=configured, baseline=baseline,
-                          safety_margin=cfg.memory.safety_margin, budget_source=source)
+                          safety_margin=cfg.memory.safety_margin, budget_source=source, measured=measured)
         kinds = ("none", "selective", "full") + (("offload",) if profile.kind == "cuda" else ())
         every = assignments(n, kinds)
     tiers = candidate_tiers(cfg, profile)
@@ -168,7 +172,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         seen += [est.estimate(first, k) for first in firsts for k in every]
         plan = choose(seen, budget, configured=configured, baseline=baseline,
                       safety_margin=cfg.memory.safety_margin, budget_source=source,
-                      fixed_policy=fixed_policy)
+                      fixed_policy=fixed_policy, measured=measured)
         # Under the step-time model a smaller micro-batch never beats the same policy at a larger one, so
         # they matter only when the largest micro-batch needs recompute (or does not fit at all).
         if plan.fits and plan.chosen is not None and set(plan.chosen.kinds) == {"none"}:
@@ -177,13 +181,13 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
             seen += [est.estimate(stack, k) for k in every]
         plan = choose(seen, budget, configured=configured, baseline=baseline,
                       safety_margin=cfg.memory.safety_margin, budget_source=source,
-                      fixed_policy=fixed_policy)
+                      fixed_policy=fixed_policy, measured=measured)
         if plan.fits:
             break
     if plan is None:  # every tier's weights exceed the budget: say so for the leanest of them
         plan = choose([baseline], budget, configured=configured, baseline=baseline,
                       safety_margin=cfg.memory.safety_margin, budget_source=source,
-                      fixed_policy=fixed_policy)
+                      fixed_policy=fixed_policy, measured=measured)
     log.info("memory planner: %d candidates over %d blocks in %.1f s (traces %.1f s)", len(seen), n,
              time.perf_counter() - t0, est.trace_seconds)
     return plan
@@ -192,32 +196,6 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
 def _floor(est: Estimator, stack: Stack) -> int:
     st = est.static(stack)
     return total(st.before_opt if not est.resolved(stack).optimizer_in_backward else st.after_opt)
-
-
-def plan_table_markdown(plan: Plan) -> str:
-    """The candidate table, chosen first, as Markdown (MLflow artifact, Prefect artifact, CLI)."""
-    rows = ["| | policy | blocks | precision | micro x accum | LoRA | loss / optimizer | peak GB | activations GB | "
-            "overhead | fits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for e in plan.table:
-        r = plan.row(e)
-        blocks = ", ".join(f"{v} {k}" for k, v in r["blocks"].items())
-        policy = f"every_k (k={e.every_k})" if e.policy == "every_k" else e.policy
-        mark = "**chosen**" if e is plan.chosen else ""
-        rows.append(f"| {mark} | {policy} | {blocks} | {e.stack.precision} | {e.stack.micro_batch_size} x "
-                    f"{e.stack.grad_accum_steps} | {_lora_cell(e.stack)} | {_technique_cell(e.stack)} | "
-                    f"{e.peak_bytes / GB:.4g} | "
-                    f"{e.activation_bytes / GB:.4g} | {r['predicted_overhead'] * 100:+.1f}% | "
-                    f"{'yes' if r['fits'] else 'no'} |")
-    return "\n".join(rows)
-
-
-def _technique_cell(stack: Stack) -> str:
-    return (f"{stack.loss} / {stack.optimizer}" + (", step in backward" if stack.optimizer_in_backward else "")
-            + (", lean layers" if stack.lean_layers else ""))
-
-
-def _lora_cell(stack: Stack) -> str:
-    return ("NF4 base" if stack.quantize == "nf4" else "yes") if stack.lora else "no"
 
 
 def n_blocks_for(cfg: Any, hf_config: Any | None = None) -> int:
@@ -262,9 +240,10 @@ def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None
     }
 
 
-def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = None) -> tuple[Plan, dict[str, Any]]:
+def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = None,
+                measured: Sequence[MeasuredPeak] = ()) -> tuple[Plan, dict[str, Any]]:
     profile, budget, source = _target(cfg, device, budget_gb)
-    plan = plan_for(cfg, profile, budget, source)
+    plan = plan_for(cfg, profile, budget, source, measured=measured)
     out = plan.to_dict()
     out["device"] = profile.name
     return plan, out

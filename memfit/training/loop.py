@@ -292,7 +292,7 @@ class Trainer:
             else None, peak_memory_bytes=peak_mem, last_checkpoint_uri=self.checkpoints.latest_uri(),
             preempt_reason=getattr(stop, "reason", None) if preempted else None,
             checkpoint_stats=self.checkpoints.stats.to_dict(), memory_limit=self._memory_message() if memory_stop
-            else None)
+            else None, memory_limit_reading=self._memory_reading() if memory_stop else None)
 
     def _flush_metrics(self) -> Any:
         """Hand the buffered metrics to the tracker's writer without waiting (a Future), where it has one."""
@@ -313,6 +313,11 @@ class Trainer:
             self.save(blocking=True, deadline=deadline)
         self._log_committed()
         self.tracker.flush()
+
+    def _memory_reading(self) -> dict[str, Any] | None:
+        r = self.monitor.stop_reading  # None on a rank whose own peak stayed under (another rank's stopped it)
+        return None if r is None else {"step": r.step, "peak_bytes": r.peak_bytes, "budget_bytes": r.budget_bytes,
+                                       "budget_source": self.monitor.budget.source, "measure": r.measure}
 
     def _memory_message(self) -> str:
         if self.monitor.stop_message:

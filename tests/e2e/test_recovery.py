@@ -7,6 +7,7 @@ typed after a kill: detection (heartbeats), the restart (an automation) and the 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 
@@ -327,3 +328,66 @@ def test_a_vanished_worker_machine_is_restarted_on_the_other_worker(cluster, ref
 def _next_final(client, deployment_id, first_id):
     runs = [r for r in flow_runs(client, deployment_id=deployment_id) if r.id != first_id]
     return runs[0] if runs and runs[0].state and runs[0].state.is_final() else None
+
+
+def _plan_artifact(client, flow_run_id) -> str:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    found = client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=["memory-plan"])))
+    return found[0].data if found else ""
+
+
+def test_a_run_stopped_at_the_memory_limit_restarts_with_a_leaner_stack_and_completes(cluster):
+    """monitor.stop_at_fraction stops the planner's first choice (no checkpointing) at step 10: the run ends
+    MemoryLimit, the automation restarts it on its own, and the restart, on another machine, reads the measured
+    peak from the checkpoint store, plans a leaner stack, resumes from step 10 and completes."""
+    from mlflow import MlflowClient
+    from prefect.client.orchestration import get_client
+
+    run, s3, bucket = "leaner", cluster["s3"], cluster["bucket"]
+    # Short, and the planner's first choice fits its own limit but not the monitor's (as in
+    # tests/integration/test_leaner_restart.py); the 20 s backoff leaves time to take machine A away.
+    short = ["train.max_steps=40", "memory.loss=plain", "recovery.backoff_seconds=20",
+             "recovery.max_backoff_seconds=20"]
+    sets = overrides(run, f"s3://{bucket}/{run}", cluster["tracking"], *short)
+    env = {**cluster["env"], "PREFECT_HOME": str(cluster["root"] / "plan-home")}
+    planned = subprocess.run([str(BIN / "memfit"), "plan", TINY, *sets, "--json"], env=env, cwd=cluster["root"],
+                             capture_output=True, text=True, timeout=300)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    peak = json.loads(planned.stdout.strip().splitlines()[-1])["predicted_peak_bytes"]
+    budget = [f"memory.budget_gb={peak / 0.925 / 1e9:.9f}", "monitor.stop_at_fraction=0.85"]
+    limit = peak / 0.925 * 0.85
+    a = _serve(cluster, Machine(cluster["root"], "mem-a", cluster["env"]), run, *short, *budget)
+    b = Machine(cluster["root"], "mem-b", cluster["env"])
+    context = lambda: f"--- A ---\n{a.tail()}\n--- B ---\n{b.tail()}"  # noqa: E731
+    try:
+        with get_client(sync_client=True) as client:
+            deployment = _deployment(client, a, run)
+            first = client.create_flow_run_from_deployment(deployment.id)
+            ended = wait_until("the first attempt ended", lambda: _final(client, first.id), 300, context)
+            assert ended.state.name == "MemoryLimit", (ended.state, context())
+            assert "at step 10 passed monitor.stop_at_fraction=0.85" in ended.state.message
+            assert "`none`" in _plan_artifact(client, first.id)
+            a.stop()  # machine A is gone before the restart is due: B has no local copy of the measured peak
+            _serve(cluster, b, run, *short, *budget)
+            second = wait_until("the restart scheduled", lambda: _next_run(client, deployment.id, run, {first.id}), 60,
+                                context, every=0.5)
+            second = wait_until("the restart finished", lambda: _final(client, second.id), 400, context, every=2)
+            assert second.state.is_completed(), (second.state, context())
+            assert "memfit-attempt:2" in second.tags and second.parameters == first.parameters
+            leaner = _plan_artifact(client, second.id)
+    finally:
+        a.stop()
+        b.stop()
+    record = json.loads(s3.get_object(Bucket=bucket, Key=f"{run}/memory-limits.json")["Body"].read())["records"]
+    assert [r["kinds"] for r in record] == [["none", "none"]] and record[0]["measured_bytes"] > limit
+    assert "`none`" not in leaner and "leaner than none, fp32, micro-batch 8x2, which measured" in leaner, leaner
+    assert "no: measured" in leaner  # the candidate table says why the first stack is out
+    client = MlflowClient(cluster["tracking"])
+    exp = client.get_experiment_by_name("recovery-e2e")
+    [mlrun] = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{run}'")
+    assert mlrun.info.status == "FINISHED" and mlrun.data.tags["memfit.recovery.last_cause"] == "memory_limit"
+    assert "from_step=10" in mlrun.data.tags["memfit.recovery.2"]
+    peaks = {m.step: m.value for m in client.get_metric_history(mlrun.info.run_id, "memory/peak_bytes")}
+    assert peaks[10] > limit and max(v for s, v in peaks.items() if s > 10) <= limit, peaks

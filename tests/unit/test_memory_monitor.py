@@ -145,3 +145,30 @@ def test_a_run_planned_for_another_device_is_watched_against_that_device():
     mon = MemoryMonitor.for_run(cfg, torch.device("cpu"), Recorder(), model, torch.optim.AdamW(model.parameters()))
     assert mon.budget.bytes == target_profile(cfg.memory).usable_bytes and "t4" in mon.budget.source.lower()
     assert mon.budget.measure == "tensor_peak"
+
+
+def test_a_resumed_run_counts_its_own_first_steps_and_stops_on_them():
+    """A restart resumes at a later step and may run another stack: its first two steps are counted (the
+    steady peak), not only the global steps 1 and 2 it never runs, so a stack over the limit stops again."""
+    _, probe_rec, _ = _run(budget_bytes=None, steps=3)
+    peak = probe_rec.metrics[-1][1]["memory/peak_bytes"]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters())
+    rec = Recorder()
+    mon = MemoryMonitor(MonitorConfig(every_steps=10, stop_at_fraction=1.0),
+                        Budget(int(peak * 0.9), "memory.budget_gb", "tensor_peak"), torch.device("cpu"), rec,
+                        model, opt, "unit")
+    x = torch.randn(128, 64)
+    model(x).square().mean().backward()  # the optimizer state a resume restores
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for step in (11, 12):  # resumed after the training checkpoint of step 10
+        with mon.watch(step):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert mon.counted(11) and mon.counted(12) and not mon.counted(13)
+    assert [s for s, _ in rec.metrics] == [11]  # the first step of this process is read
+    assert mon.stop_requested and mon.stop_reading is not None and mon.stop_reading.step == 11
+    assert mon.stop_reading.peak_bytes > mon.budget.bytes

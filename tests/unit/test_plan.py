@@ -282,7 +282,7 @@ def test_lean_optimizers_are_fallbacks_after_the_configured_one(monkeypatch):
 
 
 def test_plan_table_shows_loss_and_optimizer():
-    from memfit.memory.search import plan_table_markdown
+    from memfit.memory.plan import plan_table_markdown
 
     chunked = Stack("fp32", 8, 1, False, loss="chunked", optimizer="adamw-8bit")
     p = plan(candidates((BASE,)) + [est(["full"] * N, stack=chunked)], est(["none"] * N).peak_bytes)
