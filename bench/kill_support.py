@@ -21,7 +21,8 @@ REGION = "us-east-1"
 FAKE_KEY = "testing"
 
 # The flow's tasks in order; Prefect logs "Finished in state ..." once per task, so their count is the phase.
-TASKS = ["probe", "planning", "recovery", "training", "evaluation"]
+# The flow's tasks in order: the attempt record (restart bookkeeping) first, then the five phases.
+TASKS = ["attempt", "probe", "planning", "recovery", "training", "evaluation"]
 TASK_DONE = "prefect.task_runs: Finished in state"
 FLOW_BEGUN = "Beginning flow run"
 FLOW_DONE = "prefect.flow_runs: Finished in state"

@@ -34,13 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kill_support as ks  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
-# Where each phase starts in the log: (pattern, how many matches); None is the process start.
-ANCHORS = {"Prefect start-up": None, "probe": (ks.FLOW_BEGUN, 1), "planning": (ks.TASK_DONE, 1),
-           "recovery": (ks.TASK_DONE, 2), "training": (ks.TASK_DONE, 3), "evaluation": (ks.TASK_DONE, 4),
+# Where each phase starts and ends in the log, as (pattern, how many matches); None is the process start. The
+# n-th task starts when n-1 tasks have finished; export is the end of the evaluation task.
+_N = {task: i for i, task in enumerate(ks.TASKS)}
+_START = lambda i: (ks.TASK_DONE, i) if i else (ks.FLOW_BEGUN, 1)  # noqa: E731
+ANCHORS = {"Prefect start-up": None, **{t: _START(_N[t]) for t in ("probe", "planning", "recovery", "training",
+                                                                     "evaluation")},
            "export": (ks.EXPORT_STEPS[0][1], 1)}
-ENDS = {"Prefect start-up": (ks.FLOW_BEGUN, 1), "probe": (ks.TASK_DONE, 1), "planning": (ks.TASK_DONE, 2),
-        "recovery": (ks.TASK_DONE, 3), "training": (ks.TASK_DONE, 4), "evaluation": (ks.EXPORT_STEPS[0][1], 1),
-        "export": (ks.TASK_DONE, 5)}
+ENDS = {"Prefect start-up": (ks.FLOW_BEGUN, 1), **{t: (ks.TASK_DONE, _N[t] + 1) for t in ("probe", "planning",
+                                                                                         "recovery", "training")},
+        "evaluation": (ks.EXPORT_STEPS[0][1], 1), "export": (ks.TASK_DONE, len(ks.TASKS))}
 TARGETS = ["Prefect start-up", "probe", "planning", "recovery", "training", "mid-upload", "evaluation", "export"]
 
 
