@@ -77,6 +77,10 @@ def preflight(cfg: MemfitConfig) -> None:
     from memfit.tracking import check_tracking
 
     check_tracking(cfg.tracking)  # an unreachable MLflow server fails here, naming the URI, not after training
+    if cfg.eval.tasks:  # an unknown task or a missing task data file fails here, not after training
+        from memfit.evaluation.tasks import check_tasks
+
+        check_tasks(cfg.eval)
     if cfg.export.uri:
         from memfit.storage import open_store
 

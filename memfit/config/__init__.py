@@ -442,7 +442,7 @@ class MemfitConfig(_Section):
         out: dict[str, Any] = {}
 
         def walk(prefix: str, node: Any) -> None:
-            if isinstance(node, dict):
+            if isinstance(node, dict) and (node or not prefix):  # an empty mapping (no gate rules) is one value
                 for k, v in node.items():
                     walk(f"{prefix}.{k}" if prefix else k, v)
             else:

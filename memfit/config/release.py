@@ -44,11 +44,20 @@ class ExportConfig(Section):
                             "s3://bucket/prefix), files first and a manifest.json last. Unset: local only.")
 
 
+class MetricGate(Section):
+    min: float | None = Field(None, description="The candidate's value must be at least this.")
+    max_drop: float | None = Field(None, ge=0.0, description="The candidate may be at most this much below the "
+                                   "champion's value (when the champion has the metric).")
+
+
 class GateConfig(Section):
     max_perplexity: float | None = Field(None, gt=1.0, description="Register only when validation perplexity "
                                          "is at most this. Unset: no threshold.")
     beat_champion: bool = Field(True, description="Register only when validation perplexity is lower than the "
                                 "current champion's (a first model, with no champion, passes).")
+    metrics: dict[str, MetricGate] = Field(
+        default_factory=dict, description="Rules on task scores, keyed TASK/METRIC as logged under eval/ (e.g. "
+        "`my_mc/acc: {min: 0.5, max_drop: 0.02}`); higher is better. Every TASK must be in eval.tasks.")
 
 
 class EvalConfig(Section):
@@ -56,7 +65,28 @@ class EvalConfig(Section):
         default_factory=lambda: ["one two three", "the red fox", "3 plus 4 is"], max_length=64,
         description="Fixed prompts whose greedy continuations are logged as an MLflow table (eval/generations).")
     max_new_tokens: int = Field(16, ge=1, le=512, description="Tokens generated per prompt (greedy, KV cache on).")
+    tasks: list[str] = Field(
+        default_factory=list, description="lm-evaluation-harness tasks run on the SafeTensors export in phase 5 "
+        "(its Hugging Face backend): the harness's own (their data from the hub, where the network allows) or "
+        "local task YAMLs found under eval.task_paths. Scores and standard errors go to MLflow as "
+        "eval/TASK/METRIC. Needs `pip install 'memfit[eval]'`.")
+    task_paths: list[str] = Field(default_factory=list, description="Folders of local task YAMLs (the harness's "
+                                  "include_path); their data files are checked before training.")
+    limit: int | None = Field(None, ge=1, description="At most this many examples per task. Unset: all.")
+    num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples per prompt. Unset: the task's own.")
+    batch_size: int = Field(1, ge=1, le=256, description="Requests per forward pass in the harness.")
     gate: GateConfig = Field(default_factory=GateConfig, description="The eval gate deciding registration.")
+
+    @model_validator(mode="after")
+    def _gated_metrics_come_from_tasks(self) -> EvalConfig:
+        for key in self.gate.metrics:
+            task, _, metric = key.partition("/")
+            if not metric:
+                raise ValueError(f"eval.gate.metrics: {key!r} is not TASK/METRIC (e.g. my_task/acc)")
+            if task not in self.tasks:
+                raise ValueError(f"eval.gate.metrics: {key!r} names task {task!r}, which eval.tasks does not run "
+                                 f"({', '.join(self.tasks) or 'none'}); add it to eval.tasks or drop the rule")
+        return self
 
 
 class RegistryConfig(Section):

@@ -10,9 +10,11 @@ from typing import Any
 
 from memfit.config import MemfitConfig
 from memfit.evaluation.review import run_description
+from memfit.evaluation.tasks import log_scores, run_tasks
 from memfit.release.from_checkpoint import ExportFiles, export_model, onnx_redo_command, parity_criteria, upload_export
 from memfit.release.registry import RegistryOutcome, publish_on_tracker
 from memfit.reports import ExportReport
+from memfit.runtime.env import resolve_device
 from memfit.tracking.mlflow_tracker import MLflowTracker
 from memfit.tracking.process import ProcessTracker
 from memfit.tracking.records import log_loss_curve, on_tracker
@@ -28,6 +30,12 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
     """
     files = export_model(model, tokenizer, cfg.export.dir, onnx=cfg.export.onnx, criteria=parity_criteria(cfg.export),
                          opset=cfg.export.opset, metadata=meta, dtype=cfg.export.dtype)
+    task_scores: dict[str, float] = {}
+    if cfg.eval.tasks:  # the export as users will load it, scored before the gate reads the scores
+        scores = run_tasks(files.safetensors_dir, cfg.eval, str(resolve_device(cfg.train.device)))
+        log_scores(tracker, scores, step, Path(cfg.run.work_dir) / "eval-tasks" / str(meta["mlflow_run_id"]))
+        task_scores = scores.metrics
+        metrics = {**metrics, **task_scores}
     tags = {}
     onnx_error = None
     if files.onnx_max_abs_diff is not None:
@@ -62,6 +70,7 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
     summary = {"val_loss": round(metrics["val_loss"], 5), "val_perplexity": round(metrics["val_perplexity"], 4),
                "onnx_max_abs_diff": files.onnx_max_abs_diff, "onnx_error": files.onnx_error,
                "export": files.dir, "uploaded_to": files.uploaded_uri,
+               **{k: round(v, 4) for k, v in task_scores.items() if not k.endswith("_stderr")},
                **({"gate": outcome.gate_reason, "registered": f"{outcome.model_name} v{outcome.version}"
                    if outcome.version else "no"} if outcome else {})}
     tracker.set_tags({**tags, "memfit.status": "completed", "mlflow.note.content": run_description(summary)})
@@ -70,7 +79,7 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                         onnx_path=files.onnx_path, onnx_max_abs_diff=files.onnx_max_abs_diff,
                         onnx_opset=files.onnx_opset, source_checkpoint=str(meta["source_checkpoint"]),
                         export_uri=files.uploaded_uri, registry=outcome.to_dict() if outcome else None,
-                        onnx_error=onnx_error)
+                        onnx_error=onnx_error, task_scores=task_scores)
 
 
 def log_export_artifacts(tracker: Any, files: ExportFiles, weights_in_model: bool) -> None:

@@ -101,7 +101,37 @@ def gate(metrics: dict[str, float], champion_metrics: dict[str, float] | None, g
         else:
             return GateResult(False, f"{GATE_METRIC} {ppl:.4f} does not beat the champion's {theirs:.4f} "
                                      "(eval.gate.beat_champion)")
+    failed = _metric_rules(metrics, champion_metrics, getattr(gate_cfg, "metrics", None) or {}, reasons)
+    if failed:
+        return GateResult(False, failed)
     return GateResult(True, "; ".join(reasons) or "no gate configured")
+
+
+def _metric_rules(metrics: dict[str, float], champion: dict[str, float] | None, rules: dict[str, Any],
+                  reasons: list[str]) -> str | None:
+    """eval.gate.metrics on task scores (higher is better): the first rule broken, as one line naming the metric,
+    both values and the threshold; the rules kept are appended to `reasons`."""
+    for key, rule in rules.items():
+        rule = rule if isinstance(rule, dict) else vars(rule)
+        name, field_ = f"eval/{key}", f"eval.gate.metrics[{key!r}]"
+        ours = metrics.get(name)
+        if ours is None or not math.isfinite(ours):
+            produced = sorted(k for k in metrics if k.startswith(f"eval/{key.split('/')[0]}/"))
+            return f"{name}: no task produced it (produced: {', '.join(produced) or 'none'}); fix {field_}"
+        if rule.get("min") is not None:
+            if ours < rule["min"]:
+                return f"{name} {ours:.4f} < {field_}.min {rule['min']:g}"
+            reasons.append(f"{name} {ours:.4f} >= {rule['min']:g}")
+        if rule.get("max_drop") is not None:
+            theirs = (champion or {}).get(name)
+            if theirs is None or not math.isfinite(theirs):
+                reasons.append(f"the champion has no {name}: max_drop not applied")
+            elif theirs - ours > rule["max_drop"]:
+                return (f"{name} {ours:.4f} is {theirs - ours:.4f} below the champion's {theirs:.4f} "
+                        f"(> {field_}.max_drop {rule['max_drop']:g})")
+            else:
+                reasons.append(f"{name} {ours:.4f} vs the champion's {theirs:.4f}")
+    return None
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from memfit.server import protocol as p
 from memfit.server.backends import Sampling
 from memfit.server.engine import Engine, Job
 from memfit.server.follower import Holder
+from memfit.server.logprobs import chat_logprobs, completion_logprobs
 from memfit.server.metrics import CONTENT_TYPE, Metrics
 
 
@@ -97,14 +98,20 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: p.CompletionRequest) -> Any:
         served = _served(state, req.model)
-        ids = served.encode(p.single_prompt(req))
-        job = _submit(state, served, req, ids)
+        prompt = p.single_prompt(req)
+        ids = p.checked_ids(prompt, len(served.tokenizer)) if isinstance(prompt, list) else served.encode(prompt)
+        top = p.scoring(req)
+        job = _submit(state, served, req, ids, top=top, score_from=0 if req.echo else len(ids))
         rid = p.new_id("cmpl")
+        echoed = (served.tokenizer.decode(ids) if isinstance(prompt, list) else prompt) if req.echo else ""
         if req.stream:
-            return _sse(_completion_chunks(job, rid, len(ids)), job, state, ids)
+            return _sse(_completion_chunks(job, rid, len(ids), echoed), job, state, ids)
         await _wait(job)
         _count(state, ids, job)
-        return p.completion_body(rid, job.model_id, job.text, job.finish, len(ids), len(job.tokens))
+        # Offsets index the returned text: with echo it starts with the prompt.
+        logprobs = None if top is None else completion_logprobs(job.scored, served.piece)
+        return p.completion_body(rid, job.model_id, echoed + job.text, job.finish, len(ids), len(job.tokens),
+                                 logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat(req: p.ChatRequest) -> Any:
@@ -115,13 +122,15 @@ def create_app(state: ServerState) -> FastAPI:
                                  "messages", code="no_chat_template")
         prompt = served.chat_prompt([m.model_dump() for m in req.messages])
         ids = served.encode(prompt)
-        job = _submit(state, served, req, ids, req.max_completion_tokens or req.max_tokens)
+        top = p.scoring(req)
+        job = _submit(state, served, req, ids, req.max_completion_tokens or req.max_tokens, top, len(ids))
         rid = p.new_id("chatcmpl")
         if req.stream:
             return _sse(_chat_chunks(job, rid), job, state, ids)
         await _wait(job)
         _count(state, ids, job)
-        return p.chat_body(rid, job.model_id, job.text, job.finish, len(ids), len(job.tokens))
+        logprobs = None if top is None else chat_logprobs(job.scored, served.piece)
+        return p.chat_body(rid, job.model_id, job.text, job.finish, len(ids), len(job.tokens), logprobs)
 
     return app
 
@@ -135,11 +144,13 @@ def _served(state: ServerState, name: str) -> Any:
     return served
 
 
-def _submit(state: ServerState, served: Any, req: Any, ids: list[int], requested: int | None = None) -> Job:
+def _submit(state: ServerState, served: Any, req: Any, ids: list[int], requested: int | None = None,
+            top: int | None = None, score_from: int = 0) -> Job:
     max_new = p.max_new_tokens(requested if requested is not None else req.max_tokens, len(ids), served.limits)
     sampling = Sampling(temperature=req.temperature, top_p=req.top_p if req.temperature else 1.0,
                         seed=req.seed if req.temperature else None)
-    job = Job(prompt_ids=ids, max_new=max_new, sampling=sampling, stops=p.stops(req), loop=asyncio.get_running_loop())
+    job = Job(prompt_ids=ids, max_new=max_new, sampling=sampling, stops=p.stops(req), loop=asyncio.get_running_loop(),
+              top=top, score_from=score_from)
     state.engine.submit(job)
     return job
 
@@ -180,9 +191,11 @@ def _sse(chunks: AsyncIterator[dict], job: Job, state: ServerState, ids: list[in
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _completion_chunks(job: Job, rid: str, prompt_tokens: int) -> AsyncIterator[dict]:
+async def _completion_chunks(job: Job, rid: str, prompt_tokens: int, echoed: str = "") -> AsyncIterator[dict]:
     async for kind, *rest in _events(job):
-        if kind == "delta":
+        if kind == "start" and echoed:
+            yield p.completion_body(rid, job.model_id, echoed, None, prompt_tokens, None)
+        elif kind == "delta":
             yield p.completion_body(rid, job.model_id, rest[0], None, prompt_tokens, None)
         elif kind == "end":
             yield p.completion_body(rid, job.model_id, "", job.finish, prompt_tokens, len(job.tokens))

@@ -10,8 +10,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from memfit.server.backends import Sampling
 from memfit.server.background import BackgroundLoop
+from memfit.server.logprobs import score
 from memfit.server.protocol import RequestError
 
 log = logging.getLogger("memfit.server")
@@ -36,6 +39,13 @@ class Job:
     model_id: str | None = None
     cancelled: bool = False
     enqueued: float = field(default_factory=time.monotonic)
+    top: int | None = None  # logprobs wanted with this many alternatives per position; None: no logprobs
+    score_from: int = 0  # the first position scored: 0 with echo (the prompt too), else the first generated one
+    scored: list = field(default_factory=list)  # logprobs.Scored per position from score_from on
+
+    def __post_init__(self) -> None:
+        if self.max_new == 0:  # echo with max_tokens 0: only the prompt is scored
+            self.finish = "length"
 
     @property
     def done(self) -> bool:
@@ -100,8 +110,13 @@ class Engine(BackgroundLoop):
             job.model_id = served.model_id
             job.push(("start", served.model_id))
         try:
-            served.backend.generate([j.prompt_ids for j in batch], max(j.max_new for j in batch), batch[0].sampling,
-                                    lambda step: self._step(served, batch, step), lambda: [j.done for j in batch])
+            most = max(j.max_new for j in batch)
+            if most:
+                served.backend.generate([j.prompt_ids for j in batch], most, batch[0].sampling,
+                                        lambda step: self._step(served, batch, step), lambda: [j.done for j in batch])
+            for job in batch:
+                if job.top is not None and not job.cancelled:
+                    self._score(served, job)
         except Exception as err:  # noqa: BLE001 - a failed batch answers its requests; the server keeps serving
             log.exception("generation failed for a batch of %d on %s", len(batch), served.model_id)
             for job in batch:
@@ -114,6 +129,14 @@ class Engine(BackgroundLoop):
                 job.finish = "length"
                 self._flush(job, served, final=True)
             job.push(("end", job.finish))
+
+    @staticmethod
+    def _score(served: Any, job: Job) -> None:
+        """One forward pass over prompt + completion (no sampling temperature: the model's own distribution); in
+        this thread, so the backend never runs two batches at once."""
+        ids = job.prompt_ids + job.tokens
+        logits = served.backend.logits(np.array([ids]))[0]
+        job.scored = score(logits, ids, job.score_from, job.top or 0)
 
     def _step(self, served: Any, batch: list[Job], step: list[int]) -> None:
         for job, tok in zip(batch, step, strict=True):

@@ -42,6 +42,10 @@ class ServedModel:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def piece(self, token: int) -> str:
+        """One token's text, as logprobs name it."""
+        return self.tokenizer.decode([token])
+
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 

@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from memfit.server.logprobs import MAX_TOP
+
 
 class RequestError(Exception):
     """A request the server will not run: answered with `status` and an OpenAI-style error body."""
@@ -40,7 +42,13 @@ class _Body(BaseModel):
 
 
 class CompletionRequest(_Body):
-    prompt: str | list[str] = Field(..., description="The text to continue (a list of one string is accepted).")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="The text to continue, or its token ids (a list of one prompt is accepted).")
+    max_tokens: int | None = Field(None, ge=0, description="Most tokens to generate (0 only with echo: score the "
+                                                           "prompt).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP, description="Return each token's log-probability and the "
+                                                                      "top-N alternatives at each position.")
+    echo: bool = Field(False, description="Return the prompt before the completion (with its logprobs when asked).")
 
 
 class ChatMessage(BaseModel):
@@ -53,6 +61,9 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Body):
     messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation so far.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Newer name of max_tokens.")
+    logprobs: bool = Field(False, description="Return each generated token's log-probability.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP, description="With logprobs: the top-N alternatives at "
+                                                                          "each position.")
 
 
 @dataclass(frozen=True)
@@ -64,13 +75,41 @@ class Limits:
     default_max_tokens: int
 
 
-def single_prompt(req: CompletionRequest) -> str:
+def single_prompt(req: CompletionRequest) -> str | list[int]:
+    """The request's one prompt: text, or token ids (as lm-evaluation-harness sends them)."""
     if isinstance(req.prompt, str):
         return req.prompt
+    if req.prompt and all(isinstance(t, int) for t in req.prompt):
+        return list(req.prompt)  # type: ignore[arg-type]
     if len(req.prompt) != 1:
         raise RequestError(400, f"prompt: a list of {len(req.prompt)} prompts was sent; this server takes one "
                                 "prompt per request (send several requests: they are batched)", "prompt")
-    return req.prompt[0]
+    return req.prompt[0]  # type: ignore[return-value]
+
+
+def checked_ids(ids: list[int], vocab: int) -> list[int]:
+    """Token-id prompts must be ids of the served model's vocabulary."""
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(400, f"prompt: token id {bad} is outside the model's vocabulary of {vocab}; send ids the "
+                                "served tokenizer produced", "prompt")
+    return ids
+
+
+def scoring(req: CompletionRequest | ChatRequest) -> int | None:
+    """How many alternatives per position the request wants with its logprobs, or None (no logprobs)."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise RequestError(400, "top_logprobs: set logprobs to true as well", "top_logprobs")
+        top = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        if req.max_tokens == 0 and not req.echo:
+            raise RequestError(400, "max_tokens: 0 generates nothing; set echo to true to score the prompt, or ask "
+                                    "for at least 1 token", "max_tokens")
+        top = req.logprobs
+    if top is not None and req.stream:
+        raise RequestError(400, "logprobs: not given with stream here; ask without stream", "logprobs")
+    return top
 
 
 def stops(req: _Body) -> list[str]:
@@ -111,18 +150,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_body(rid: str, model: str, text: str, finish: str | None, prompt_tokens: int,
-                    completion_tokens: int | None, chunk: bool = False) -> dict[str, Any]:
+                    completion_tokens: int | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-                            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
     if completion_tokens is not None:
         body["usage"] = usage(prompt_tokens, completion_tokens)
     return body
 
 
 def chat_body(rid: str, model: str, text: str, finish: str | None, prompt_tokens: int,
-              completion_tokens: int) -> dict[str, Any]:
+              completion_tokens: int, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                          "finish_reason": finish}],
             "usage": usage(prompt_tokens, completion_tokens)}
 

@@ -133,8 +133,97 @@ def test_both_backends_serve_the_same_greedy_text(champion, server, client):
         got = httpx.post(f"{running.url}/v1/completions", json=body).json()["choices"][0]["text"]
         want = client.completions.create(**{**body, "model": "tiny"}).choices[0].text
         assert got == want
+        # The same log-probabilities from onnxruntime and from transformers, within the export's parity bound.
+        score = {"prompt": "the cat sat on the", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+        hf = httpx.post(f"{running.url}/v1/completions", json={**score, "model": "export"}).json()["choices"][0]
+        ort = client.completions.create(**{**score, "model": "tiny"}).choices[0]
+        assert hf["logprobs"]["tokens"] == ort.logprobs.tokens
+        assert hf["logprobs"]["token_logprobs"][0] is None and ort.logprobs.token_logprobs[0] is None
+        assert hf["logprobs"]["token_logprobs"][1:] == pytest.approx(ort.logprobs.token_logprobs[1:], abs=1e-4)
     finally:
         running.stop()
+
+
+def _direct_logprobs(hf_dir: str, ids: list[int]) -> list[float]:
+    """log p(token | before) for ids[1:], straight from transformers on the export: the oracle for the server."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        logp = model(input_ids=torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    return [float(logp[t - 1, ids[t]]) for t in range(1, len(ids))]
+
+
+def test_logprobs_from_both_endpoints_through_the_openai_client(champion, client):
+    _, report = champion
+    prompt = "one two three four"
+    scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=3)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert len(lp.tokens) == scored.usage.prompt_tokens and "".join(lp.tokens) == prompt
+    ids = _token_ids(report.safetensors_dir, prompt)
+    assert lp.token_logprobs[1:] == pytest.approx(_direct_logprobs(report.safetensors_dir, ids), abs=1e-4)
+    assert all(len(top) == 3 and max(top.values()) >= lp.token_logprobs[i + 1]
+               for i, top in enumerate(lp.top_logprobs[1:]))
+    # The same prompt as token ids (as lm-evaluation-harness sends it): the same answer.
+    by_ids = client.completions.create(model="tiny", prompt=[ids], max_tokens=0, echo=True, logprobs=3)
+    assert by_ids.choices[0].logprobs.token_logprobs == lp.token_logprobs
+
+    greedy = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, logprobs=1)
+    glp = greedy.choices[0].logprobs
+    assert len(glp.tokens) == greedy.usage.completion_tokens >= 1
+    assert all(t == max(top.values()) for t, top in zip(glp.token_logprobs, glp.top_logprobs, strict=True))
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "one two"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob and c.logprob <= 0 for c in content)  # greedy: its own top
+    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "one two"}],
+                                           max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+
+
+def _token_ids(hf_dir: str, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_dir)(text, add_special_tokens=False)["input_ids"]
+
+
+def test_lm_eval_local_completions_scores_like_its_hf_backend(champion, server, tmp_path, monkeypatch):
+    """lm-evaluation-harness's own OpenAI-compatible client, pointed at the server, against its transformers backend
+    on the same export: a local multiple-choice task (log-likelihoods), per choice within 1e-3, accuracy equal."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, report = champion
+    pairs = [("the", "dog"), ("cat", "ran"), ("sat", "to"), ("on", "the"), ("a", "end"), ("mat", "of"),
+             ("by", "a"), ("the", "long"), ("door", "road"), ("and", "one")]
+    rows = [{"question": f"{a} {b}", "choices": [f" {c}" for c in (a, b, "sat", "the")], "answer": i % 4}
+            for i, (a, b) in enumerate(pairs)]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "memfit_mc.yaml").write_text(
+        "task: memfit_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: choices\ndoc_to_target: answer\n"
+        "metric_list:\n  - metric: acc\n")
+    tasks = TaskManager(include_path=str(tmp_path))
+    hf_dir = report.safetensors_dir
+    runs = {name: simple_evaluate(model=name, model_args=args, tasks=["memfit_mc"], task_manager=tasks,
+                                  log_samples=True, batch_size=1)
+            for name, args in (("hf", {"pretrained": hf_dir, "device": "cpu", "dtype": "float32"}),
+                               ("local-completions", {"base_url": f"{server.url}/v1/completions", "model": "tiny",
+                                                      "tokenizer": hf_dir, "max_retries": 1}))}
+    hf, api = (runs[k] for k in ("hf", "local-completions"))
+    assert api["results"]["memfit_mc"]["acc,none"] == hf["results"]["memfit_mc"]["acc,none"]
+    lls = {k: [[resp[0] for resp in s["filtered_resps"]] for s in sorted(r["samples"]["memfit_mc"],
+                                                                        key=lambda s: s["doc_id"])]
+           for k, r in runs.items()}
+    assert len(lls["hf"]) == len(rows) and all(len(choices) == 4 for choices in lls["hf"])
+    for ours, theirs in zip(lls["local-completions"], lls["hf"], strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-3)
 
 
 def test_start_up_errors_are_one_line(champion, server):
