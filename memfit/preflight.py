@@ -77,10 +77,12 @@ def preflight(cfg: MemfitConfig) -> None:
     from memfit.tracking import check_tracking
 
     check_tracking(cfg.tracking)  # an unreachable MLflow server fails here, naming the URI, not after training
-    if cfg.eval.tasks:  # an unknown task or a missing task data file fails here, not after training
+    if cfg.eval.tasks or cfg.eval.sets:  # an unknown task, a missing data file, a record without a reference
+        from memfit.evaluation.sets import check_sets
         from memfit.evaluation.tasks import check_tasks
 
         check_tasks(cfg.eval)
+        check_sets(cfg.eval.sets)
     if cfg.export.uri:
         from memfit.storage import open_store
 

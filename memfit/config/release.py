@@ -60,6 +60,21 @@ class GateConfig(Section):
         "`my_mc/acc: {min: 0.5, max_drop: 0.02}`); higher is better. Every TASK must be in eval.tasks.")
 
 
+class EvalSetConfig(Section):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="The set's name in MLflow (eval/NAME/METRIC) "
+                      "and in eval.gate.metrics.")
+    path: str = Field(..., description="A JSONL file: one record a line, `prompt` (text) or `messages` (a "
+                      "conversation, answered with the chat template) and `reference` (the expected answer).")
+    metrics: list[Literal["exact_match", "contains", "rouge_l"]] = Field(
+        default_factory=lambda: ["exact_match"], min_length=1, description="Scores per answer: exact_match "
+        "(case-insensitive), contains (the reference appears in the answer), rouge_l (ROUGE-L F1).")
+    extract: str | None = Field(None, description="A regex applied to the answer before scoring; its first group "
+                                "(or the whole match) is scored, e.g. `(-?\\d+)` for a number. Unset: the whole "
+                                "answer.")
+    max_new_tokens: int | None = Field(None, ge=1, le=2048, description="Tokens generated per answer. Unset: "
+                                       "eval.max_new_tokens.")
+
+
 class EvalConfig(Section):
     prompts: list[str] = Field(
         default_factory=lambda: ["one two three", "the red fox", "3 plus 4 is"], max_length=64,
@@ -75,17 +90,27 @@ class EvalConfig(Section):
     limit: int | None = Field(None, ge=1, description="At most this many examples per task. Unset: all.")
     num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples per prompt. Unset: the task's own.")
     batch_size: int = Field(1, ge=1, le=256, description="Requests per forward pass in the harness.")
+    sets: list[EvalSetConfig] = Field(default_factory=list, description="The team's own eval sets: prompts with "
+                                      "reference answers, answered greedily by the export and scored.")
+    compare_champion: bool = Field(True, description="Run the same tasks and sets on the current champion too: "
+                                   "its scores (champion/eval/...) feed max_drop, and a side-by-side table per "
+                                   "example is logged (eval/compare/...).")
     gate: GateConfig = Field(default_factory=GateConfig, description="The eval gate deciding registration.")
 
     @model_validator(mode="after")
     def _gated_metrics_come_from_tasks(self) -> EvalConfig:
+        names = [s.name for s in self.sets]
+        clash = sorted({n for n in names if names.count(n) > 1 or n in self.tasks})
+        if clash:
+            raise ValueError(f"eval.sets: {', '.join(clash)} named twice (sets and tasks share eval/NAME/...); "
+                             "rename the set")
         for key in self.gate.metrics:
             task, _, metric = key.partition("/")
             if not metric:
                 raise ValueError(f"eval.gate.metrics: {key!r} is not TASK/METRIC (e.g. my_task/acc)")
-            if task not in self.tasks:
-                raise ValueError(f"eval.gate.metrics: {key!r} names task {task!r}, which eval.tasks does not run "
-                                 f"({', '.join(self.tasks) or 'none'}); add it to eval.tasks or drop the rule")
+            if task not in self.tasks and task not in names:
+                raise ValueError(f"eval.gate.metrics: {key!r} names {task!r}, which neither eval.tasks nor eval.sets "
+                                 f"runs ({', '.join(self.tasks + names) or 'none'}); add it or drop the rule")
         return self
 
 

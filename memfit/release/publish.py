@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit.config import MemfitConfig
+from memfit.evaluation.judge import judge
 from memfit.evaluation.review import run_description
-from memfit.evaluation.tasks import log_scores, run_tasks
 from memfit.release.from_checkpoint import ExportFiles, export_model, onnx_redo_command, parity_criteria, upload_export
 from memfit.release.registry import RegistryOutcome, publish_on_tracker
 from memfit.reports import ExportReport
@@ -31,10 +31,9 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
     files = export_model(model, tokenizer, cfg.export.dir, onnx=cfg.export.onnx, criteria=parity_criteria(cfg.export),
                          opset=cfg.export.opset, metadata=meta, dtype=cfg.export.dtype)
     task_scores: dict[str, float] = {}
-    if cfg.eval.tasks:  # the export as users will load it, scored before the gate reads the scores
-        scores = run_tasks(files.safetensors_dir, cfg.eval, str(resolve_device(cfg.train.device)))
-        log_scores(tracker, scores, step, Path(cfg.run.work_dir) / "eval-tasks" / str(meta["mlflow_run_id"]))
-        task_scores = scores.metrics
+    if cfg.eval.tasks or cfg.eval.sets:  # the export as users will load it, and the champion, before the gate
+        task_scores = judge(cfg, files.safetensors_dir, str(resolve_device(cfg.train.device)), tracker, step,
+                            Path(cfg.run.work_dir) / "eval" / str(meta["mlflow_run_id"]), str(meta["mlflow_run_id"]))
         metrics = {**metrics, **task_scores}
     tags = {}
     onnx_error = None
@@ -70,7 +69,8 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
     summary = {"val_loss": round(metrics["val_loss"], 5), "val_perplexity": round(metrics["val_perplexity"], 4),
                "onnx_max_abs_diff": files.onnx_max_abs_diff, "onnx_error": files.onnx_error,
                "export": files.dir, "uploaded_to": files.uploaded_uri,
-               **{k: round(v, 4) for k, v in task_scores.items() if not k.endswith("_stderr")},
+               **{k: round(v, 4) for k, v in task_scores.items()
+                  if k.startswith("eval/") and not k.endswith(("_stderr", "/examples"))},
                **({"gate": outcome.gate_reason, "registered": f"{outcome.model_name} v{outcome.version}"
                    if outcome.version else "no"} if outcome else {})}
     tracker.set_tags({**tags, "memfit.status": "completed", "mlflow.note.content": run_description(summary)})

@@ -123,7 +123,8 @@ def _metric_rules(metrics: dict[str, float], champion: dict[str, float] | None, 
                 return f"{name} {ours:.4f} < {field_}.min {rule['min']:g}"
             reasons.append(f"{name} {ours:.4f} >= {rule['min']:g}")
         if rule.get("max_drop") is not None:
-            theirs = (champion or {}).get(name)
+            # The champion judged now on the same data (eval.compare_champion), else what its run recorded.
+            theirs = metrics.get(f"champion/{name}", (champion or {}).get(name))
             if theirs is None or not math.isfinite(theirs):
                 reasons.append(f"the champion has no {name}: max_drop not applied")
             elif theirs - ours > rule["max_drop"]:

@@ -35,40 +35,86 @@ def write_tasks(folder) -> None:
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
 
 
+def write_set(folder) -> None:
+    """An own eval set: plain prompts and one conversation (answered with the chat template)."""
+    rows = [{"prompt": f"{a} {b}", "reference": a} for a, b in PAIRS[:5]]
+    rows.append({"messages": [{"role": "user", "content": "one two"}], "reference": "three"})
+    (folder / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _eval_overrides(root, tasks_root, **gate) -> dict:
+    sets = f"[{{name: answers, path: {tasks_root / 'answers.jsonl'}, metrics: [exact_match, contains, rouge_l]}}]"
+    return {"eval.tasks": "[memfit_mc, memfit_gen]", "eval.task_paths": f"[{tasks_root}]", "eval.sets": sets,
+            "eval.gate.beat_champion": False, "export.onnx": False, **gate}
+
+
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory):
+    """A champion (v1: tasks and sets, no rule on them), then a challenger gated on a task score it cannot reach,
+    judged beside the champion on the same data; both in one MLflow store."""
     root = tmp_path_factory.mktemp("eval-tasks")
     write_tasks(root / "tasks")
-    extra = {"eval.tasks": "[memfit_mc, memfit_gen]", "eval.task_paths": f"[{root / 'tasks'}]",
-             "eval.gate.metrics": "{memfit_mc/acc: {min: 1.01}}", "eval.gate.beat_champion": False,
-             "export.onnx": False}
-    cfg, report = train_champion(root, steps=6, onnx=False, **extra)
-    return root, cfg, report
+    write_set(root / "tasks")
+    champion = train_champion(root / "a", steps=6, onnx=False, **_eval_overrides(root, root / "tasks"),
+                              **{"tracking.uri": f"sqlite:///{root / 'mlflow.db'}"})
+    challenger = train_champion(root / "b", steps=6, onnx=False, **{"tracking.uri": f"sqlite:///{root / 'mlflow.db'}"},
+                                **_eval_overrides(root, root / "tasks",
+                                                  **{"eval.gate.metrics": "{memfit_mc/acc: {min: 1.01}}"}))
+    return champion, challenger
 
 
-def test_task_scores_reach_mlflow_with_standard_errors_and_samples(scored):
+def _run(cfg, report):
+    """The run of `cfg` (both runs are named tiny: told apart by their checkpoint store, a logged param)."""
     from mlflow import MlflowClient
 
-    _, cfg, report = scored
     client = MlflowClient(cfg.tracking.resolved_uri())
-    run = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])[0]
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"params.`checkpoint.uri` = '{cfg.checkpoint.uri}'")
+    return client, run
+
+
+def test_task_and_set_scores_reach_mlflow_with_standard_errors_and_samples(scored):
+    (cfg, report), _ = scored
+    assert report.registry["gate_passed"] and report.registry["version"] == "1"
+    client, run = _run(cfg, report)
     m = run.data.metrics
     assert 0.0 <= m["eval/memfit_mc/acc"] <= 1.0 and m["eval/memfit_mc/acc_stderr"] > 0.0
     assert 0.0 <= m["eval/memfit_gen/exact_match"] <= 1.0 and "eval/memfit_gen/exact_match_stderr" in m
-    assert m["eval_seconds/memfit_mc"] > 0 and m["eval_seconds/memfit_gen"] > 0
+    assert m["eval_seconds/memfit_mc"] > 0 and m["eval_seconds/memfit_gen"] > 0 and m["eval_seconds/sets"] > 0
     assert report.task_scores["eval/memfit_mc/acc"] == m["eval/memfit_mc/acc"]
+    assert m["eval/answers/examples"] == 6
+    assert {f"eval/answers/{k}" for k in ("exact_match", "contains", "rouge_l")} <= set(m)
     names = {a.path for a in client.list_artifacts(run.info.run_id, "eval/tasks")}
     assert names == {"eval/tasks/memfit_mc.jsonl", "eval/tasks/memfit_gen.jsonl"}
     local = client.download_artifacts(run.info.run_id, "eval/tasks/memfit_mc.jsonl")
     rows = [json.loads(line) for line in Path(local).read_text().splitlines()]
     assert len(rows) == len(PAIRS) and all(len(r["filtered_resps"]) == 4 for r in rows)  # 4 choices each
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "eval/sets/answers.json")).read_text())
+    answers = dict(zip(table["columns"], zip(*table["data"], strict=True), strict=True))
+    from transformers import AutoTokenizer
+
+    rendered = AutoTokenizer.from_pretrained(report.safetensors_dir).apply_chat_template(
+        [{"role": "user", "content": "one two"}], tokenize=False, add_generation_prompt=True)
+    assert answers["reference"][-1] == "three" and answers["prompt"][-1] == rendered  # the model's chat template
+    scores = answers["score/contains"]
+    assert m["eval/answers/contains"] == pytest.approx(sum(scores) / len(scores))
 
 
-def test_the_gate_fails_on_the_task_metric_though_perplexity_passes(scored):
-    _, _, report = scored
-    reg = report.registry
-    assert reg["gate_passed"] is False and reg["version"] is None
-    acc = report.task_scores["eval/memfit_mc/acc"]
+def test_the_champion_is_judged_beside_the_challenger_and_the_gate_names_the_metric(scored):
+    (cfg_a, champion), (cfg_b, challenger) = scored
+    client, run_a = _run(cfg_a, champion)
+    _, run_b = _run(cfg_b, challenger)
+    # The champion, fetched from the registry and judged again on the same data, scores what it scored as a run.
+    for key in ("eval/memfit_mc/acc", "eval/memfit_gen/exact_match", "eval/answers/rouge_l"):
+        assert run_b.data.metrics[f"champion/{key}"] == pytest.approx(run_a.data.metrics[key], abs=1e-9)
+    mine = json.loads(Path(client.download_artifacts(run_a.info.run_id, "eval/sets/answers.json")).read_text())
+    side = json.loads(Path(client.download_artifacts(run_b.info.run_id, "eval/compare/answers.json")).read_text())
+    cols = dict(zip(side["columns"], zip(*side["data"], strict=True), strict=True))
+    assert list(cols["champion"]) == [row[mine["columns"].index("answer")] for row in mine["data"]]
+    assert {"challenger", "champion_rouge_l", "challenger_rouge_l", "reference"} <= set(cols)
+    reg = challenger.registry
+    acc = challenger.task_scores["eval/memfit_mc/acc"]
+    assert reg["gate_passed"] is False and reg["version"] is None and reg["previous_champion"] == "1"
     assert reg["gate_reason"] == f"eval/memfit_mc/acc {acc:.4f} < eval.gate.metrics['memfit_mc/acc'].min 1.01"
 
 
@@ -107,5 +153,8 @@ def test_bad_task_input_is_one_line_before_training(tmp_path):
     (tmp_path / "tasks" / "gen.jsonl").unlink()
     with pytest.raises(ConfigError, match=r"task 'memfit_gen' reads .*gen.jsonl, which does not exist"):
         preflight(load(**{"eval.tasks": "[memfit_mc, memfit_gen]"}))
-    with pytest.raises(ConfigError, match="names task 'other', which eval.tasks does not run"):
+    with pytest.raises(ConfigError, match="names 'other', which neither eval.tasks nor eval.sets runs"):
         load(**{"eval.tasks": "[memfit_mc]", "eval.gate.metrics": "{other/acc: {min: 0.5}}"})
+    (tmp_path / "tasks" / "bad.jsonl").write_text('{"prompt": "x", "reference": "y"}\n{"prompt": "no answer"}\n')
+    with pytest.raises(ConfigError, match=r"eval.sets\['mine'\]: .*bad.jsonl line 2 has no reference"):
+        preflight(load(**{"eval.sets": f"[{{name: mine, path: {tmp_path / 'tasks' / 'bad.jsonl'}}}]"}))
