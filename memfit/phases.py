@@ -262,8 +262,9 @@ def record_recovery(tracker: Any, attempt: AttemptReport | None, resumed_step: i
 def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> ExportReport:
     """Load the final training checkpoint, evaluate, export SafeTensors + ONNX (verified), gate and register."""
     from memfit.evaluation.review import generate_heldout, generate_samples, log_generations, perplexity
-    from memfit.models.lora import merged_from_state
-    from memfit.release.from_checkpoint import config_from_checkpoint
+    from memfit.models.lora import adapted_from_state, is_adapted, merge_lora
+    from memfit.release.adapter import ADAPTER_DIR, verify_adapter, write_adapter
+    from memfit.release.from_checkpoint import config_from_checkpoint, parity_criteria
     from memfit.release.publish import release
     from memfit.training.loop import evaluate_loss
 
@@ -278,10 +279,21 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
     if final is None:
         raise CheckpointError(f"no complete training checkpoint under {cfg.checkpoint.uri} to export")
     # A LoRA run's training checkpoint holds its adapters: the base rebuilt as the planned run held it (its
-    # saved config says whether the plan quantized it), the adapters loaded and folded in.
-    model = merged_from_state(inputs.model, config_from_checkpoint(final, final.info.uri).lora, final.model_state,
-                              f"training checkpoint {final.info.uri}")
+    # saved config says whether the plan quantized it), the adapters loaded (and saved alone when asked), then
+    # folded in.
+    lora_cfg = config_from_checkpoint(final, final.info.uri).lora
+    model = adapted_from_state(inputs.model, lora_cfg, final.model_state, f"training checkpoint {final.info.uri}")
+    adapter_dir = None
+    if cfg.export.adapter and is_adapted(model):
+        adapter_dir = write_adapter(model, inputs.tokenizer, Path(cfg.export.dir) / ADAPTER_DIR, inputs.source,
+                                    lora_cfg.quantize)
+    elif cfg.export.adapter:
+        log.warning("export.adapter: this run trained all weights (lora.enabled=auto chose a full fine-tune): "
+                    "no adapter to export; the merged SafeTensors export is the model")
+    model = merge_lora(model)
     model.to(device=device, dtype=torch.float32)  # exports and evaluation are fp32
+    adapter = (verify_adapter(adapter_dir, model, inputs.source, lora_cfg.quantize, parity_criteria(cfg.export))
+               if adapter_dir else None)
     val_loss = evaluate_loss(model, data.val, cfg.train.micro_batch_size, device, "fp32", cfg.train.eval_batches,
                              fields=data.val_fields)
     ppl = perplexity(val_loss)
@@ -299,7 +311,7 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
         meta = scrub_obj({"source_checkpoint": final.info.uri, "mlflow_run_id": run_id, "step": final.step,
                           "model_source": _source_name(cfg), "run_name": cfg.run.name})
         report = release(cfg, tracker, model, inputs.tokenizer, meta,
-                         {"val_loss": val_loss, "val_perplexity": ppl}, step)
+                         {"val_loss": val_loss, "val_perplexity": ppl}, step, adapter)
         tracker.end_run("FINISHED")
     except BaseException as err:
         if isinstance(err, MemfitError):  # the reviewer sees why phase 5 failed (e.g. the ONNX parity figure)

@@ -72,6 +72,9 @@ def preflight(cfg: MemfitConfig) -> None:
     check_model_source(cfg.model)
     check_writable_dir(cfg.run.work_dir, "run.work_dir")
     check_writable_dir(cfg.export.dir, "export.dir")
+    if cfg.export.adapter and cfg.lora.enabled is False:
+        raise ConfigError("export.adapter: this run trains all weights (lora.enabled is false), so there is no "
+                          "adapter to export; set lora.enabled=true (or auto) or drop export.adapter")
     # S3 too: a missing bucket, bad credentials or a down endpoint fail here, in seconds, not after the probe.
     open_checkpoint_store(cfg).check_writable()
     from memfit.tracking import check_tracking

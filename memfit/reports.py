@@ -119,6 +119,8 @@ class ExportReport(_Report):
                                               "eval.prompts.")
     onnx_error: str | None = Field(None, description="Why the ONNX export failed (one line, with the command that "
                                    "redoes it); everything else in phase 5 completed.")
+    adapter: dict[str, Any] | None = Field(None, description="The LoRA adapter folder (export.adapter): its base, "
+                                           "base checksum, and base + adapter against the merged export.")
     task_scores: dict[str, float] = Field(default_factory=dict, description="eval.tasks' scores on the export: "
                                           "eval/TASK/METRIC and its _stderr (memfit/evaluation/tasks.py).")
 

@@ -17,6 +17,10 @@ class Section(BaseModel):
 class ExportConfig(Section):
     dir: str = Field("runs/export", description="Folder for the SafeTensors HF folder and the ONNX file.")
     onnx: bool = Field(True, description="Also export and verify ONNX.")
+    adapter: bool = Field(False, description="LoRA runs: also write the adapter alone as a peft folder "
+                          "(export.dir/adapter: adapter weights and config naming the base, the tokenizer and chat "
+                          "template, the base's checksum) for multi-LoRA serving (vLLM, TGI), verified by loading "
+                          "base + adapter with peft against the merged export's logits (the onnx_* limits).")
     # ONNX parity: onnxruntime's logits vs PyTorch fp32 at a few (batch, seq) shapes; every criterion must
     # hold at every shape. Defaults from bench/onnx_parity.py (random Llama-family models, 0.2 M to 135 M
     # parameters, final norm scaled so max |logit| ~ 20 as in pretrained models), see each description.

@@ -127,6 +127,13 @@ def merged_from_state(model: nn.Module, lora_cfg: Any, state: dict[str, Any],
     """A plain model (for evaluation and export) from a freshly loaded base and a training checkpoint's state:
     with adapters, the base as training held it (a 4-bit base quantized and dequantized), the adapters loaded
     and merged in; without, the weights loaded as they are."""
+    return merge_lora(adapted_from_state(model, lora_cfg, state, where))
+
+
+def adapted_from_state(model: nn.Module, lora_cfg: Any, state: dict[str, Any],
+                       where: str = "training checkpoint") -> nn.Module:
+    """As merged_from_state, before the merge: the peft model (its adapter can be saved alone), or with a full
+    fine-tune's state the plain model."""
     if not is_lora_state(state):
         model.load_state_dict(state, strict=True)
         return model
@@ -137,7 +144,7 @@ def merged_from_state(model: nn.Module, lora_cfg: Any, state: dict[str, Any],
         model = policy.round_trip(model)
     model = apply_lora(model, lora_cfg)
     load_trainable_state(model, state, where)
-    return merge_lora(model)
+    return model
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

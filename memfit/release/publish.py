@@ -11,6 +11,7 @@ from typing import Any
 from memfit.config import MemfitConfig
 from memfit.evaluation.judge import judge
 from memfit.evaluation.review import run_description
+from memfit.release.adapter import AdapterExport
 from memfit.release.from_checkpoint import ExportFiles, export_model, onnx_redo_command, parity_criteria, upload_export
 from memfit.release.registry import RegistryOutcome, publish_on_tracker
 from memfit.reports import ExportReport
@@ -23,7 +24,7 @@ log = logging.getLogger("memfit.release")
 
 
 def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: dict[str, Any],
-            metrics: dict[str, float], step: int) -> ExportReport:
+            metrics: dict[str, float], step: int, adapter: AdapterExport | None = None) -> ExportReport:
     """Verified exports, their upload and MLflow artifacts, the loss curve, then the gate and the registry.
 
     A failed ONNX export does not stop the rest: the report's `onnx_error` says what failed and how to redo it.
@@ -65,10 +66,14 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
     elif cfg.registry.enabled:
         log.info("registry skipped: it needs the MLflow tracker (%s)", tracker.describe())
     log_export_artifacts(tracker, files, weights_in_model=outcome is not None)
+    if adapter is not None:  # the peft folder for multi-LoRA serving, and how close base + adapter came
+        tracker.log_metrics({"adapter_max_abs_diff": adapter.max_abs_diff, "adapter_max_kl": adapter.max_kl}, step)
+        tracker.log_artifact(adapter.dir, "export/adapter")
     on_tracker(tracker, log_loss_curve, cfg.run.name)
     summary = {"val_loss": round(metrics["val_loss"], 5), "val_perplexity": round(metrics["val_perplexity"], 4),
                "onnx_max_abs_diff": files.onnx_max_abs_diff, "onnx_error": files.onnx_error,
                "export": files.dir, "uploaded_to": files.uploaded_uri,
+               **({"adapter": adapter.dir, "adapter_max_abs_diff": adapter.max_abs_diff} if adapter else {}),
                **{k: round(v, 4) for k, v in task_scores.items()
                   if k.startswith("eval/") and not k.endswith(("_stderr", "/examples"))},
                **({"gate": outcome.gate_reason, "registered": f"{outcome.model_name} v{outcome.version}"
@@ -79,7 +84,8 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                         onnx_path=files.onnx_path, onnx_max_abs_diff=files.onnx_max_abs_diff,
                         onnx_opset=files.onnx_opset, source_checkpoint=str(meta["source_checkpoint"]),
                         export_uri=files.uploaded_uri, registry=outcome.to_dict() if outcome else None,
-                        onnx_error=onnx_error, task_scores=task_scores)
+                        onnx_error=onnx_error, task_scores=task_scores,
+                        adapter=adapter.to_dict() if adapter else None)
 
 
 def log_export_artifacts(tracker: Any, files: ExportFiles, weights_in_model: bool) -> None:

@@ -34,7 +34,7 @@ def _newest(root: Path) -> dict[str, torch.Tensor]:
 def test_qlora_trains_and_exports_a_plain_model_that_passes_parity(tiny_config, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(**QLORA, **{"train.max_steps": 12, "train.lr": 3e-3, "export.onnx": True})
+    cfg = tiny_config(**QLORA, **{"train.max_steps": 12, "train.lr": 3e-3, "export.onnx": True, "export.adapter": True})
     plan, result = _train(cfg)
     assert plan.lora is True and plan.quantize == "nf4"
     # The training checkpoint holds the adapters only: the 4-bit base is rebuilt from the model source.
@@ -47,6 +47,9 @@ def test_qlora_trains_and_exports_a_plain_model_that_passes_parity(tiny_config, 
     keys = model.state_dict().keys()
     assert not any("lora" in k or "absmax" in k or "quant" in k for k in keys)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    # The adapter alone states its 4-bit base; on that base (NF4 round trip) it equals the merged export.
+    assert exported.adapter["base_quantization"] == "nf4" and exported.adapter["top1_agree"] == 1.0
+    assert exported.adapter["max_abs_diff"] < 1e-3
 
 
 def test_qlora_resume_from_a_training_checkpoint_is_bitwise(tiny_config, tmp_path, monkeypatch):
