@@ -129,3 +129,24 @@ def packed_attention_mask(position_ids: torch.Tensor, attn_implementation: str, 
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed,
                                                                                        torch.finfo(dtype).min)
+
+
+def row_real_tokens(input_ids: torch.Tensor, fields: dict[str, torch.Tensor], pad_id: int | None) -> list[int]:
+    """Pure: the tokens of each row that are data, not padding: the whole row for blocks; attention_mask's ones
+    for one padded example a row; for padding-free packs the row less its tail padding, which is the last
+    position-id segment when every token of it is `pad_id` with no label (an example never is: it has text)."""
+    rows, width = input_ids.shape
+    if "attention_mask" in fields:
+        return fields["attention_mask"].sum(-1).tolist()
+    if "position_ids" not in fields or pad_id is None:
+        return [width] * rows
+    out = []
+    labels = fields.get("labels")
+    for r in range(rows):
+        starts = (fields["position_ids"][r] == 0).nonzero().flatten().tolist()
+        tail = starts[-1] if starts else 0
+        pad = bool((input_ids[r, tail:] == pad_id).all()) and (
+            labels is None or bool((labels[r, tail:] == IGNORE).all()))
+        out.append(tail if pad and tail > 0 else width)
+    return out
+

@@ -99,6 +99,7 @@ def prepare_data(cfg: MemfitConfig, tokenizer: Any, texts: list[str] | None = No
         train, val = rows_train.pop("input_ids"), rows_val.pop("input_ids")
         fields_train, fields_val = rows_train, rows_val
         heldout = _heldout(corpus, val_index, members, index, data.heldout_prompts) if members else []
+        stats["pad_id"] = _pad_id(tokenizer)  # tells padding from data when tokens are counted (row_real_tokens)
     source = data.path or f"synthetic({data.synthetic_docs}, {data.seed})"
     bundle = DataBundle(train=train, val=val, digest=data_digest(corpus), n_train_tokens=train.numel(),
                         n_val_tokens=val.numel(), source=source, train_fields=fields_train, val_fields=fields_val,

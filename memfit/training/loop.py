@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from memfit.config import MemfitConfig
 from memfit.data.order import BatchOrder
+from memfit.data.packing import row_real_tokens
 from memfit.data.prepare import DataBundle
 from memfit.memory.monitor import MemoryMonitor
 from memfit.memory.probe import autocast_context
@@ -114,6 +115,9 @@ class Trainer:
         # Trained tokens per training row, counted once here: a step adds up Python ints (no tensor read per step).
         labels = data.train_fields.get("labels", data.train)
         self._row_trained: list[int] = (labels[:, 1:] != -100).sum(dim=1).tolist()
+        self._row_real = row_real_tokens(data.train, data.train_fields, data.stats.get("pad_id"))
+        self._cut_to_longest = "attention_mask" in data.train_fields  # blocks_batch cuts such batches
+        self.step_counts = (0, 0, 0)  # the last step's (real, trained, computed) tokens on this rank
         seed_everything(t.seed + s.seed_offset())
 
     # -- state --------------------------------------------------------------------------------------------
@@ -169,16 +173,23 @@ class Trainer:
         """One optimizer step over grad_accum_steps micro-batches; (this rank's loss, global grad norm)."""
         t, s = self.cfg.train, self.strategy
         loss_sum = torch.zeros((), device=self.device)
+        real = trained = slots = 0
         for k in range(t.grad_accum_steps):
             # The same global order on every rank; each takes its slice of the micro-batch.
             idx = s.shard(self.order.next_indices(), t.micro_batch_size)
-            self.trained_tokens_seen += sum(self._row_trained[i] for i in idx)
+            rows = [int(i) for i in idx]
+            lengths = [self._row_real[i] for i in rows]
+            real += sum(lengths)
+            trained += sum(self._row_trained[i] for i in rows)
+            slots += len(rows) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1])
+            self.trained_tokens_seen += sum(self._row_trained[i] for i in rows)
             batch = blocks_batch(self.data.train, idx, self.device, self.data.train_fields, self.attn_implementation)
             with s.micro_batch(last=k == t.grad_accum_steps - 1):
                 with autocast_context(self.device, s.autocast_precision):
                     loss = self.loss(self.model, batch)
                 loss_sum += s.backward(loss, t.grad_accum_steps)
         self.tokens_seen += t.micro_batch_size * t.grad_accum_steps * self.data.train.shape[1]
+        self.step_counts = (real, trained, slots)
         grad_norm = s.optimizer_step(t.max_grad_norm)
         self.step += 1
         return loss_sum, grad_norm
@@ -224,7 +235,8 @@ class Trainer:
         t, s = self.cfg.train, self.strategy
         start = self.step
         self.log_initial_val_loss()
-        tokens_per_step = t.batch_size * self.data.train.shape[1]
+        # Counted on this rank's rows; every rank takes an equal share of each batch, so x world_size is the step's.
+        scale = s.world_size
         steplog, agreed = StepLog(self.tracker, self.device, s.world_size), None
         peak_mem, run_tokens, preempted, memory_stop = 0, 0, False, False
         run_t0 = time.perf_counter()
@@ -241,23 +253,24 @@ class Trainer:
                 _test_fault(s.rank, self.step)
                 agreed = self._agree(loss_sum, stop, save_request)
                 dt = time.perf_counter() - t0
-                run_tokens += tokens_per_step
+                real, trained, slots = (n * scale for n in self.step_counts)
+                run_tokens += real
                 if self.step % t.log_every_steps == 0 or self.step == t.max_steps:
                     memory = memory_now(self.device)
                     peak_mem = max(peak_mem, memory[0])
                     steplog.add(self.step, agreed.loss, grad_norm, lr=self.scheduler.get_last_lr()[0],
-                                tokens=tokens_per_step, seconds=dt, memory=memory)
+                                tokens=real, trained=trained, slots=slots, seconds=dt, memory=memory)
                     self._log_routing()
                 bar.update(1)
                 # The newest loss read, not this step's: reading it here would make every step wait.
                 loss_shown = {} if steplog.last_loss is None else {"loss": f"{steplog.last_loss:.3f}"}
-                bar.set_postfix(**loss_shown, tok_s=f"{tokens_per_step / dt:,.0f}", **self.monitor.postfix)
+                bar.set_postfix(**loss_shown, trained_tok_s=f"{trained / dt:,.0f}", **self.monitor.postfix)
                 if s.world_size > 1 and s.is_main and (self.step % max(1, t.max_steps // 10) == 0
                                                        or self.step == t.max_steps):
                     steplog.drain()
                     log.info("step %d/%d: loss %.4f, %.0f tokens/s on %d ranks", self.step, t.max_steps,
                              steplog.last_loss if steplog.last_loss is not None else math.nan,
-                             tokens_per_step / dt, s.world_size)
+                             real / dt, s.world_size)
                 # A background save that failed fails the run here, not `every_steps` later.
                 self.checkpoints.raise_if_failed()
                 self._log_committed()

@@ -163,7 +163,16 @@ def memory_now(device: torch.device) -> tuple[int, int]:
 
 
 def step_metrics(loss: float, lr: float, grad_norm: float, tokens: int, seconds: float,
-                 memory: tuple[int, int]) -> dict[str, float]:
-    """What every trainer logs for an optimizer step (the names the MLflow charts and the README use)."""
-    return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / seconds,
-            "step_time_s": seconds, "memory_peak_bytes": memory[0], "memory_current_bytes": memory[1]}
+                 memory: tuple[int, int], trained: int | None = None, slots: int | None = None
+                 ) -> dict[str, float]:
+    """What every trainer logs for an optimizer step (the names the MLflow charts and the README use).
+
+    `tokens`: the step's real tokens (no padding); `trained`: those whose prediction is trained (a label);
+    `slots`: the token positions computed, padding included (padding_fraction = 1 - tokens / slots)."""
+    out = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / seconds,
+           "step_time_s": seconds, "memory_peak_bytes": memory[0], "memory_current_bytes": memory[1]}
+    if trained is not None:
+        out["trained_tokens_per_s"] = trained / seconds
+    if slots:
+        out["padding_fraction"] = 1.0 - tokens / slots
+    return out

@@ -129,6 +129,24 @@ def test_chat_run_logs_the_trained_share_and_validation_on_answers_falls(chat_ru
 
 
 @pytest.mark.slow
+def test_chat_run_counts_real_and_trained_tokens_not_padding(chat_run):
+    from mlflow import MlflowClient
+
+    out, _, _ = chat_run
+    client = MlflowClient(out["tracking_uri"])
+    run = client.get_run(out["mlflow_run_id"])
+    slots = int(run.data.params["train.batch_size"]) * int(run.data.params["data.seq_len"])
+    hist = {k: {m.step: m.value for m in client.get_metric_history(out["mlflow_run_id"], k)}
+            for k in ("tokens_per_s", "trained_tokens_per_s", "padding_fraction", "step_time_s")}
+    assert hist["padding_fraction"] and set(hist["padding_fraction"]) == set(hist["tokens_per_s"])
+    for step, padding in hist["padding_fraction"].items():
+        real = hist["tokens_per_s"][step] * hist["step_time_s"][step]
+        trained = hist["trained_tokens_per_s"][step] * hist["step_time_s"][step]
+        assert 0.0 < padding < 0.5 and real == pytest.approx(slots * (1 - padding), rel=1e-6)
+        assert real == pytest.approx(round(real), abs=1e-3) and 0 < trained < real  # whole tokens, answers fewer
+
+
+@pytest.mark.slow
 def test_chat_run_logs_heldout_answers_beside_references(chat_run):
     from mlflow import MlflowClient
 
