@@ -312,6 +312,15 @@ def estimate(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = 
     if out["budget_bytes"] is not None:
         typer.echo(f"  budget {out['budget_bytes'] / gb:.3f} GB ({out['budget_source']}): "
                    f"{'fits' if out['fits'] else 'does NOT fit'}")
+    active = "" if out["experts"] is None else (
+        f", {out['params_active'] / 1e9:.2f} B active per token ({out['experts']['per_token']} of "
+        f"{out['experts']['routed']} routed experts; routed activations booked as tokens x top-k rows, which "
+        f"grouped_mm holds however the router spreads them)")
+    typer.echo(f"  parameters: {out['params_total'] / 1e9:.2f} B{active}")
+    for row in out["adapter_rows"]:
+        fits = "" if row["fits"] is None else (": fits" if row["fits"] else ": does NOT fit")
+        typer.echo(f"  {row['stack']:<17} peak {row['peak_bytes'] / gb:8.3f} GB, weights "
+                   f"{row['weight_bytes'] / gb:.3f} GB, {row['n_trainable'] / 1e6:.1f} M trainable{fits}")
 
 
 def _max_seq(config: Any, set_: Any, device: str | None, budget_gb: float | None, as_json: bool) -> None:

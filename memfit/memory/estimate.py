@@ -80,7 +80,8 @@ def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any, 
     if lora_cfg is not None:
         from memfit.models.lora import prepare_lora_model
 
-        model = prepare_lora_model(model, lora_cfg, precision, quantize=quantize, fake=True)
+        with _no_init():  # meta tensors have no values: peft's kaiming init of each adapter is pure overhead
+            model = prepare_lora_model(model, lora_cfg, precision, quantize=quantize, fake=True)
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # the trainer casts the adapters too
     if lean_layers:
@@ -90,6 +91,21 @@ def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any, 
     _meta_to_fake(model, mode)
     model.train()
     return model
+
+
+@contextmanager
+def _no_init() -> Iterator[None]:
+    """torch.nn.init's in-place initialisers as no-ops, for models built on the meta device (there is nothing to
+    fill); ~0.1 s per adapted layer otherwise (15 s of a 30B MoE estimate's 42 s)."""
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
 
 
 def _meta_to_fake(model: torch.nn.Module, mode: Any) -> None:

@@ -128,3 +128,26 @@ def routing_stats(router_logits: Any, top_k: int) -> dict[str, float]:
             counts = layer_counts if counts is None else counts + layer_counts
         share = counts / counts.sum()
     return {"experts_min_share": float(share.min()), "experts_max_share": float(share.max())}
+
+
+def routed_experts(config: Any) -> tuple[int, int] | None:
+    """(experts per MoE layer, experts each token is routed to) from a transformers config; None for a dense
+    model. Families name them differently: num_experts (Qwen3-MoE), num_local_experts (Mixtral, gpt-oss),
+    n_routed_experts (DeepSeek-V3); num_experts_per_tok everywhere."""
+    for attr in ("num_experts", "num_local_experts", "n_routed_experts"):
+        n = getattr(config, attr, None)
+        if isinstance(n, int) and n > 1:
+            return n, int(getattr(config, "num_experts_per_tok", 1) or 1)
+    return None
+
+
+def param_counts(named_numels: list[tuple[str, int]], experts: tuple[int, int] | None) -> dict[str, int]:
+    """Pure: total parameters, and those one token uses (active): a routed expert's weights count top_k/E times.
+    Routed experts are parameters under a module named exactly `experts` (shared experts, always active, are
+    named otherwise: DeepSeek's shared_experts)."""
+    total = sum(n for _, n in named_numels)
+    routed = sum(n for name, n in named_numels if "experts" in name.split("."))
+    if experts is None or routed == 0:
+        return {"total": total, "active": total, "routed_experts": 0}
+    n_experts, top_k = experts
+    return {"total": total, "active": total - routed + routed * top_k // n_experts, "routed_experts": routed}

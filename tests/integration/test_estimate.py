@@ -137,3 +137,61 @@ def test_lora_estimate_matches_the_measured_step_with_a_16_bit_or_4_bit_base(qua
     assert predicted.activation_bytes == pytest.approx(act, rel=TOLERANCE)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert predicted.weight_bytes == weights
+
+
+MOE = {"qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 16},
+       "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2}}
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_moe_estimate_is_within_two_percent_of_the_measured_step(family):
+    """Random routing (untrained router) against the estimator's: grouped_mm holds tokens x top-k expert rows
+    however the router spreads them, so the prediction holds for any routing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memfit.models import experts
+
+    cfg = AutoConfig.for_model(family, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                               **MOE[family])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    experts.apply(model, "train", "cpu", torch.float32)  # as a run holds it: grouped_mm, router loss on
+    stack = Stack("fp32", 2, 1, False)
+    est = Estimator(model.config, SEQ, PROFILES["cpu"], save_ops=SAVE_OPS)
+    n = len(find_blocks(model))
+    for kinds in (["none"] * n, ["full"] * n):
+        predicted = est.estimate(stack, kinds)
+        peak, act = measure(model, kinds, stack)
+        assert predicted.peak_bytes == pytest.approx(peak, rel=0.02), kinds[0]
+        assert predicted.activation_bytes == pytest.approx(act, rel=0.02), kinds[0]
+
+
+def test_qwen3_30b_a3b_estimate_from_config_json_alone_with_lora_and_qlora_rows(tmp_path):
+    """`memfit estimate` as a user types it, on the shipped 30B mixture-of-experts shape: total and active
+    parameters (checked against the config's arithmetic), and LoRA / QLoRA rows; nothing is allocated."""
+    import subprocess
+    import sys
+
+    shape = json.loads((REPO / "configs" / "models" / "qwen3-30b-a3b" / "config.json").read_text())
+    v, h, n, e, mi = (shape[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
+                                         "moe_intermediate_size"))
+    heads, kv, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    attention = h * heads * hd * 2 + h * kv * hd * 2 + 2 * hd
+    routed = e * (2 * mi * h + h * mi)
+    total = 2 * v * h + h + n * (attention + routed + e * h + 2 * h)
+    active = total - n * routed + n * routed * shape["num_experts_per_tok"] // e
+    done = subprocess.run([sys.executable, "-m", "memfit.cli", "estimate", "configs/qwen3-30b-a3b-lora.yaml", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (out["params_total"], out["params_active"]) == (total, active)
+    assert out["params_total"] == pytest.approx(30.5e9, rel=0.01) and out["params_active"] == pytest.approx(3.35e9,
+                                                                                                          rel=0.01)
+    assert out["experts"] == {"routed": 128, "per_token": 8}
+    lora, qlora = out["adapter_rows"]
+    assert (lora["stack"], qlora["stack"]) == ("LoRA", "QLoRA (NF4 base)")
+    assert lora["peak_bytes"] == out["total_bytes"] and lora["n_trainable"] == qlora["n_trainable"] > 0
+    # bitsandbytes quantizes Linear layers: attention shrinks to 4 bits, the fused 3-D expert weights do not.
+    assert 0 < lora["weight_bytes"] - qlora["weight_bytes"] < 0.05 * lora["weight_bytes"]
+    assert qlora["peak_bytes"] < lora["peak_bytes"]
