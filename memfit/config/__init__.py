@@ -193,9 +193,12 @@ class LoraConfig(_Section):
     r: int = Field(8, ge=1, le=1024, description="LoRA rank.")
     alpha: float = Field(16.0, gt=0.0, description="LoRA scaling numerator (the update is scaled by alpha/r).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA branch input.")
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="Module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj]; "
-        "all-linear: every linear layer but the output head.")
+    target_modules: list[str] | Literal["all-linear", "attention", "attention-mlp", "attention-experts"] = Field(
+        "all-linear", description="Module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj], or a "
+        "preset. all-linear: every linear layer but the output head (on a mixture of experts, peft's adapters on "
+        "the routed experts' weights too); attention: the attention projections; attention-mlp: those and the "
+        "dense MLP layers (shared experts, dense layers), not the routed experts; attention-experts: attention and "
+        "the routed experts' fused weights (peft's target_parameters). An MoE router is never adapted.")
     quantize: Literal["none", "nf4"] = Field(
         "none", description="QLoRA: nf4 holds the frozen base's linear layers in 4-bit NF4 with double "
         "quantization (bitsandbytes; compute in train.precision); the export dequantizes and merges into a "

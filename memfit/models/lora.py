@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,12 +26,16 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    from memfit.models.lora_targets import resolve
+
     targets = lora_cfg.target_modules
+    where = resolve(model, targets)
     peft_cfg = PeftLoraConfig(task_type="CAUSAL_LM", r=lora_cfg.r, lora_alpha=lora_cfg.alpha,
-                              lora_dropout=lora_cfg.dropout, bias="none",
-                              target_modules=targets if isinstance(targets, str) else list(targets))
+                              lora_dropout=lora_cfg.dropout, bias="none", target_modules=where.modules,
+                              target_parameters=where.parameters or None)
     try:
-        wrapped = get_peft_model(model, peft_cfg)
+        with _targets_as_named():
+            wrapped = get_peft_model(model, peft_cfg)
     except ValueError as err:
         if "not found in the base model" in str(err) or "target modules" in str(err).lower():
             raise ConfigError(f"lora.target_modules: {targets} match no module of {type(model).__name__}; its "
@@ -39,6 +45,25 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> nn.Module:
     if not any(p.requires_grad for p in wrapped.parameters()):
         raise ConfigError(f"lora.target_modules: {targets} produced no trainable adapter weights")
     return wrapped
+
+
+@contextmanager
+def _targets_as_named() -> Iterator[None]:
+    """peft 0.21 rewrites the targets of MoE families (Mixtral, Qwen-MoE, DeepSeek) from transformers 4's layout
+    to 5's, for old adapters: every name ending in gate, gate_proj, up_proj or down_proj becomes the router's or
+    the routed experts' weight, so dense and shared-expert MLPs were never adapted and the router was. memfit
+    names targets for the model it holds (memfit/models/lora_targets.py): no rewrite while adding adapters."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:
+        yield
+        return
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
 
 
 def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:

@@ -79,3 +79,27 @@ def test_moe_family_trains_and_exports(tmp_path_factory, tmp_path, family, preci
     assert onnx.max_abs_diff < 1e-4
     # The caller's model keeps the implementation it trains with.
     assert model.config._experts_implementation == "grouped_mm"
+
+
+@pytest.mark.parametrize("target", ["attention-experts", "attention"])
+def test_lora_presets_train_an_moe_and_leave_the_router_alone(tmp_path_factory, tmp_path, target):
+    """LoRA on a tiny Qwen3-MoE through `memfit run`'s phases: the loss falls, the merged export differs from the
+    base where the preset adapted it (the experts or not), and the router's weights are the base's, bit for bit."""
+    from safetensors.torch import load_file
+
+    folder = family_folder(tmp_path_factory.getbasetemp() / "moe-families", ALWAYS)
+    cfg = config.load(REPO / "configs" / "tiny.yaml", tiny_overrides(tmp_path, None, **{
+        "model.name_or_path": str(folder), "train.max_steps": 16, "checkpoint.every_steps": 16, "train.lr": 1e-2,
+        "tracking.backend": "null", "train.num_threads": 1, "train.eval_batches": 2, "lora.enabled": "true",
+        "lora.r": 8, "lora.target_modules": target, "memory.policy": "none", "registry.enabled": False}))
+    probe = phases.check_environment_and_probe(cfg)
+    plan = phases.plan_stack(cfg, probe)
+    result = phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), probe)
+    assert plan.lora is True and result.final_train_loss < result.initial_val_loss - 0.2
+    exported = phases.evaluate_and_release(cfg, result)
+    merged = load_file(str(Path(exported.safetensors_dir) / "model.safetensors"))
+    base = load_file(str(folder / "model.safetensors"))
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert any(".self_attn." in k for k in changed)
+    assert any(".experts." in k for k in changed) == (target == "attention-experts")
+    assert not any(k.endswith("mlp.gate.weight") for k in changed)  # the router
