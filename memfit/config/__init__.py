@@ -76,6 +76,11 @@ class DataConfig(_Section):
         "blocks", description="blocks: all examples concatenated and cut into seq_len blocks (attention crosses "
         "examples); padding_free: whole examples packed up to seq_len tokens a row, position_ids restarting and "
         "no attention across examples; none: one example a row, padded per batch with an attention mask.")
+    flatten: bool | Literal["auto"] = Field(
+        "auto", description="padding_free: join each micro-batch's rows into one sequence without their tail "
+        "padding, so no padding is computed (position_ids keep the examples apart). auto: true where attention "
+        "reads the boundaries from position_ids (flash attention, CUDA), false elsewhere: on SDPA/eager a "
+        "block-diagonal mask over the joined sequence costs micro-batch x the attention of per-row masks.")
     overlong: Literal["truncate", "drop", "error"] = Field(
         "truncate", description="padding_free/none: what happens to an example longer than seq_len (counts "
         "are logged).")

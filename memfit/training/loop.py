@@ -117,6 +117,7 @@ class Trainer:
         self._row_trained: list[int] = (labels[:, 1:] != -100).sum(dim=1).tolist()
         self._row_real = row_real_tokens(data.train, data.train_fields, data.stats.get("pad_id"))
         self._cut_to_longest = "attention_mask" in data.train_fields  # blocks_batch cuts such batches
+        self.flatten = flattened(cfg.data, "position_ids" in data.train_fields, self.attn_implementation)
         self.step_counts = (0, 0, 0)  # the last step's (real, trained, computed) tokens on this rank
         seed_everything(t.seed + s.seed_offset())
 
@@ -181,9 +182,11 @@ class Trainer:
             lengths = [self._row_real[i] for i in rows]
             real += sum(lengths)
             trained += sum(self._row_trained[i] for i in rows)
-            slots += len(rows) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1])
+            slots += (sum(lengths) if self.flatten else
+                      len(rows) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1]))
             self.trained_tokens_seen += sum(self._row_trained[i] for i in rows)
-            batch = blocks_batch(self.data.train, idx, self.device, self.data.train_fields, self.attn_implementation)
+            batch = blocks_batch(self.data.train, idx, self.device, self.data.train_fields, self.attn_implementation,
+                                 lengths if self.flatten else None)
             with s.micro_batch(last=k == t.grad_accum_steps - 1):
                 with autocast_context(self.device, s.autocast_precision):
                     loss = self.loss(self.model, batch)
@@ -337,6 +340,13 @@ class Trainer:
             return self.monitor.stop_message
         return (f"the memory peak on another rank passed monitor.stop_at_fraction at step {self.step} (its log has "
                 "the figures): stopped with a training checkpoint instead of running out of memory")
+
+
+def flattened(data_cfg: Any, packed: bool, attn_implementation: str) -> bool:
+    """Pure: does a padding-free micro-batch run as one joined sequence (data.flatten)?"""
+    if not packed or data_cfg.flatten is False:
+        return False
+    return data_cfg.flatten is True or attn_implementation.startswith("flash")
 
 
 def attention_implementation(model: nn.Module) -> str:

@@ -17,11 +17,16 @@ Batch = dict[str, torch.Tensor]
 
 
 def blocks_batch(blocks: torch.Tensor, idx: torch.Tensor | slice, device: torch.device | None = None,
-                 fields: dict[str, torch.Tensor] | None = None, attn_implementation: str = "sdpa") -> Batch:
+                 fields: dict[str, torch.Tensor] | None = None, attn_implementation: str = "sdpa",
+                 lengths: list[int] | None = None) -> Batch:
     """The batch of rows `idx`: input_ids, and labels (the inputs themselves for plain text blocks, else the data's
-    with -100 on untrained tokens); the packing mode's position_ids / attention_mask come along from `fields`."""
+    with -100 on untrained tokens); the packing mode's position_ids / attention_mask come along from `fields`.
+    `lengths` (padding-free packs, data.flatten): each row's real tokens; the rows are joined into one sequence
+    without their tail padding (a new example still starts at position 0, and its first label is -100)."""
     fields = fields or {}
     rows = {"input_ids": blocks[idx], **{k: v[idx] for k, v in fields.items()}}
+    if lengths is not None and "position_ids" in rows:
+        rows = {k: torch.cat([v[r, :n] for r, n in enumerate(lengths)])[None] for k, v in rows.items()}
     if "attention_mask" in rows:  # one padded example a row: cut the batch to its longest row (on the host)
         longest = int(rows["attention_mask"].sum(-1).max())
         rows = {k: v[:, :longest] for k, v in rows.items()}

@@ -53,9 +53,10 @@ def test_prompt_completion_parquet_trains_on_completions(tmp_path):
                                                                      result.final_train_loss)
 
 
-def test_padding_free_run_killed_after_a_checkpoint_resumes_bitwise(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flatten", [False, True])
+def test_padding_free_run_killed_after_a_checkpoint_resumes_bitwise(tmp_path, monkeypatch, flatten):
     data = messages_jsonl(tmp_path / "chat.jsonl", 120)
-    common = {"data.path": str(data), "data.seq_len": 96}
+    common = {"data.path": str(data), "data.seq_len": 96, "data.flatten": flatten}
     _train(_config(tmp_path, **common, **{"checkpoint.uri": str(tmp_path / "straight")}))
 
     cfg = _config(tmp_path, **common, **{"checkpoint.uri": str(tmp_path / "killed")})

@@ -59,3 +59,29 @@ def test_step_metrics_count_real_and_trained_tokens_and_the_padding():
     assert m["padding_fraction"] == pytest.approx(0.25)
     plain = step_metrics(2.0, lr=1e-3, grad_norm=1.0, tokens=100, seconds=1.0, memory=(1, 1))
     assert "padding_fraction" not in plain and plain["tokens_per_s"] == 100
+
+
+def test_a_flattened_micro_batch_has_no_padding_and_the_same_loss_as_its_rows():
+    """data.flatten: the rows joined without their tails: one sequence, positions restarting per example, and the
+    loss over the same trained tokens equal to the per-row batch's (attention still kept within each example)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memfit.training.loss import blocks_batch, make_loss
+
+    encoded = _examples(30, seed=2)
+    rows, _ = pack_padding_free(encoded, seq_len=32, pad_id=PAD)
+    fields = {k: v for k, v in rows.items() if k != "input_ids"}
+    lengths = row_real_tokens(rows["input_ids"], fields, PAD)[:4]
+    per_row = blocks_batch(rows["input_ids"], slice(0, 4), None, fields, "sdpa")
+    flat = blocks_batch(rows["input_ids"], slice(0, 4), None, fields, "sdpa", lengths=lengths)
+    assert flat["input_ids"].shape == (1, sum(lengths)) < per_row["input_ids"].shape
+    assert int((flat["labels"] != -100).sum()) == int((per_row["labels"] != -100).sum())
+    assert int((flat["position_ids"] == 0).sum()) == int((per_row["position_ids"][:, :] == 0).sum()) - sum(
+        1 for n in lengths if n < 32)  # the tails' own segments are gone
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
+                                         attn_implementation="sdpa")).eval()
+    loss = make_loss()
+    with torch.no_grad():
+        assert float(loss(model, flat)) == pytest.approx(float(loss(model, per_row)), rel=1e-5)
