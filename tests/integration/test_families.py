@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from chat_support import bpe_tokenizer, conversation_texts
+from family_support import FAMILIES, family_folder
 from tests_support import tiny_overrides
 
 from memfit import config, phases
@@ -16,37 +16,7 @@ from memfit.memory.compose import Stack
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-COMMON = {"vocab_size": 400, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 256}
-FAMILIES = {
-    "llama": {},
-    "qwen3": {"head_dim": 16},
-    "gemma3_text": {"head_dim": 16, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"]},
-    "phi3": {},
-    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 16},
-    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 32,
-                "layer_types": ["sliding_attention", "full_attention"]},
-    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                    "n_shared_experts": 1, "first_k_dense_replace": 1, "num_key_value_heads": 4, "kv_lora_rank": 32,
-                    "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
-                    "n_group": 1, "topk_group": 1},
-}
 ALWAYS = {"llama", "qwen3_moe"}
-
-
-def folder_of(root: Path, family: str) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    out = root / family
-    if not (out / "config.json").exists():
-        tok = bpe_tokenizer(conversation_texts(), vocab_size=400)
-        cfg = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family]}, bos_token_id=tok.bos_token_id,
-                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-        tok.save_pretrained(out)
-    return out
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=() if f in ALWAYS else pytest.mark.slow) for f in FAMILIES])
@@ -56,7 +26,7 @@ def test_family_estimates_trains_exports_and_passes_parity(tmp_path_factory, tmp
     from memfit.config.devices import PROFILES
     from memfit.memory.estimate import Estimator
 
-    folder = folder_of(tmp_path_factory.getbasetemp() / "families", family)
+    folder = family_folder(tmp_path_factory.getbasetemp() / "families", family)
     hf_config = AutoConfig.from_pretrained(folder)
     est = Estimator(hf_config, 64, PROFILES["cpu"]).estimate(Stack("fp32", 2, 1, False), ["none"] * 2)
     assert est.peak_bytes > est.breakdown["params"] > 0

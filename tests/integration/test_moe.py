@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from chat_support import bpe_tokenizer, conversation_texts
+from family_support import MOE, family_folder
 from tests_support import tiny_overrides
 
 from memfit import config, phases
@@ -14,35 +15,8 @@ from memfit.reports import PlanReport
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-COMMON = {"vocab_size": 400, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 256}
-# Tiny shapes of each family, built from transformers' own config classes (no hub download).
-FAMILIES = {
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 16},
-    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 32,
-                "layer_types": ["sliding_attention", "full_attention"]},
-    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                    "n_shared_experts": 1, "first_k_dense_replace": 1, "num_key_value_heads": 4, "kv_lora_rank": 32,
-                    "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
-                    "n_group": 1, "topk_group": 1},
-}
+FAMILIES = MOE
 ALWAYS = "qwen3_moe"  # one MoE family on every run; the rest under -m slow
-
-
-def family_folder(root: Path, family: str) -> Path:
-    """A random-weight from_pretrained folder of `family` with a tokenizer trained here."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    out = root / family
-    if not (out / "config.json").exists():
-        tok = bpe_tokenizer(conversation_texts(), vocab_size=400)
-        cfg = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family]}, bos_token_id=tok.bos_token_id,
-                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-        tok.save_pretrained(out)
-    return out
 
 
 def _params() -> list:
