@@ -99,3 +99,18 @@ def lora_fallbacks(lora_cfg: Any) -> list[tuple[bool, str]]:
 def no_bf16_precision(precision: str) -> str:
     # A target without bf16 (a T4) runs the same mixed-precision recipe in fp16, with the loss scaler.
     return "fp16-mixed" if precision == "bf16-mixed" else precision
+
+
+def adapter_rows(cfg: Any, est: Any, e: Any, limit: int | None) -> list[dict[str, Any]]:
+    """With lora.enabled true or auto: the same step (policy, micro-batch, precision) with LoRA on a 16-bit base
+    and with QLoRA (an NF4 base), side by side, as rows: peak, trainable parameters, fits."""
+    if cfg.lora.enabled is False:
+        return []
+    rows = []
+    for quantize in ("none", "nf4"):
+        stack = replace(e.stack, lora=True, quantize=quantize)
+        other = e if stack == e.stack else est.estimate(stack, e.kinds)
+        rows.append({"stack": "QLoRA (NF4 base)" if quantize == "nf4" else "LoRA", "peak_bytes": other.peak_bytes,
+                     "weight_bytes": other.weight_bytes, "n_trainable": other.n_trainable,
+                     "fits": None if limit is None else other.peak_bytes <= limit})
+    return rows

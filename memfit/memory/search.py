@@ -11,6 +11,7 @@ from typing import Any
 from memfit.config.devices import DeviceProfile, get_profile, profile_for_report
 from memfit.errors import ConfigError
 from memfit.memory.candidates import (
+    adapter_rows,
     configured_stack,
     lean_layer_fallbacks,
     lora_fallbacks,
@@ -25,6 +26,7 @@ from memfit.memory.estimate import Estimator, model_config_for, n_blocks_of
 from memfit.memory.plan import MeasuredPeak, Plan, assignments, choose, measured_reason
 from memfit.memory.policies import make_policy
 from memfit.memory.tracker import total
+from memfit.models.experts import model_param_counts
 
 log = logging.getLogger("memfit.memory")
 GB = 1e9
@@ -224,7 +226,7 @@ def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None
     else:
         e = estimate_policy(cfg, profile, cfg.memory.policy, estimator=est)
     limit = None if budget is None else int(budget * (1 - cfg.memory.safety_margin))
-    counts = base_param_counts(est.hf_config)
+    counts = model_param_counts(est.hf_config)
     return {
         "params_total": counts["total"], "params_active": counts["active"],
         "experts": None if counts["experts"] is None else dict(zip(("routed", "per_token"), counts["experts"],
@@ -243,36 +245,6 @@ def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None
         "fits": None if limit is None else e.peak_bytes <= limit, "method": e.method,
         "elapsed_seconds": round(time.perf_counter() - t0, 2),
     }
-
-
-def base_param_counts(hf_config: Any) -> dict[str, Any]:
-    """Total and active parameters of the base model (a token uses top_k of E routed experts), from a meta-device
-    build of its config: shapes only, seconds even for a 30B mixture of experts."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from memfit.models.experts import param_counts, routed_experts
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    experts = routed_experts(hf_config)
-    counts = param_counts([(n, p.numel()) for n, p in model.named_parameters()], experts)
-    return {"total": counts["total"], "active": counts["active"], "experts": experts}
-
-
-def adapter_rows(cfg: Any, est: Estimator, e: Estimate, limit: int | None) -> list[dict[str, Any]]:
-    """With lora.enabled true or auto: the same step (policy, micro-batch, precision) with LoRA on a 16-bit base
-    and with QLoRA (an NF4 base), side by side, as rows: peak, trainable parameters, fits."""
-    if cfg.lora.enabled is False:
-        return []
-    rows = []
-    for quantize in ("none", "nf4"):
-        stack = replace(e.stack, lora=True, quantize=quantize)
-        other = e if stack == e.stack else est.estimate(stack, e.kinds)
-        rows.append({"stack": "QLoRA (NF4 base)" if quantize == "nf4" else "LoRA", "peak_bytes": other.peak_bytes,
-                     "weight_bytes": other.weight_bytes, "n_trainable": other.n_trainable,
-                     "fits": None if limit is None else other.peak_bytes <= limit})
-    return rows
 
 
 def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = None,
