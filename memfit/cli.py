@@ -538,6 +538,8 @@ def export_cmd(
     set_: SetOpt = None,
     upload: Annotated[str | None, typer.Option("--upload", help="Also upload the export here (folder or "
                                                                 "s3://bucket/prefix), manifest last.")] = None,
+    adapter: Annotated[bool, typer.Option("--adapter", help="LoRA checkpoints: also write OUT/adapter (a peft "
+                                                            "folder), verified with peft on its base.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Export a training checkpoint to a verified SafeTensors folder and ONNX file (config from the checkpoint)."""
@@ -547,7 +549,7 @@ def export_cmd(
             from memfit.release.from_checkpoint import export_checkpoint
 
         report = export_checkpoint(checkpoint_uri, out, onnx=onnx, onnx_only=onnx_only, upload_uri=upload,
-                                   overrides=set_)
+                                   overrides=set_, adapter=adapter)
     except MemfitError as err:
         _fail(err)
     lines = [f"exported step {report['step']} of {report['checkpoint']}"]
@@ -563,6 +565,10 @@ def export_cmd(
                      f"{max(p['relative'] for p in parity):.2g} of max |logit| (limit {c['rtol']:g}), "
                      f"max KL {max(p['max_kl'] for p in parity):.2g} (limit {c['max_kl']:g}), "
                      f"top-1 {agree}/{positions} (min {c['min_top1']:.0%}): within")
+    if report["adapter"]:
+        a = report["adapter"]
+        lines.append(f"adapter: {a['dir']} on base {a['base']}; peft-loaded vs merged max |diff| "
+                     f"{a['max_abs_diff']:.2e}, top-1 {a['top1_agree']:.0%}")
     if report["uploaded_uri"]:
         lines.append(f"uploaded: {report['uploaded_uri']} (manifest.json last)")
     for line in lines:  # with --json the human lines go to stderr: stdout is the JSON object alone

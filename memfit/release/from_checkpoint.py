@@ -224,7 +224,8 @@ def download_export(uri: str, dest: str | Path) -> Path:
 
 
 def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_only: bool = False,
-                      upload_uri: str | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+                      upload_uri: str | None = None, overrides: list[str] | None = None,
+                      adapter: bool = False) -> dict[str, Any]:
     """`memfit export`: any training checkpoint (local or S3) → verified exports in out_dir (and upload_uri).
 
     `onnx_only` redoes just out_dir/model.onnx and leaves out_dir/hf alone; `overrides` (`export.onnx_rtol=…`)
@@ -239,20 +240,34 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
         loaded = resolve_checkpoint(uri, Path(tmp) / "checkpoint")
         cfg = config_from_checkpoint(loaded, uri, overrides)
         pin_threads(cfg.train.num_threads)
+        if adapter:
+            _check_adapter_export(cfg, loaded)
         model, tokenizer = model_for_checkpoint(cfg, Path(tmp) / "work")
         try:
-            from memfit.models.lora import merged_from_state
+            from memfit.models.lora import adapted_from_state, merge_lora
 
-            model = merged_from_state(model, cfg.lora, loaded.model_state, f"training checkpoint {loaded.info.uri}")
+            model = adapted_from_state(model, cfg.lora, loaded.model_state, f"training checkpoint {loaded.info.uri}")
         except RuntimeError as err:
             raise CheckpointError(f"training checkpoint {loaded.info.uri} does not fit the model of its own "
                                   f"config.yaml ({str(err).splitlines()[0]})") from None
+        if adapter:
+            from memfit.release.adapter import ADAPTER_DIR, write_adapter
+
+            adapter_dir = write_adapter(model, tokenizer, Path(out_dir) / ADAPTER_DIR, cfg.model.name_or_path,
+                                        cfg.lora.quantize)
+        model = merge_lora(model)
         metadata = {"source_checkpoint": loaded.info.uri, "step": loaded.step,
                     "mlflow_run_id": loaded.state.get("mlflow_run_id"),
                     "model_source": cfg.model.name_or_path or f"preset:{cfg.model.preset}"}
         files = export_model(model, tokenizer, out_dir, onnx=onnx, safetensors=not onnx_only,
                              criteria=parity_criteria(cfg.export), opset=cfg.export.opset, metadata=metadata,
                              dtype=cfg.export.dtype)
+        verified = None
+        if adapter:  # base + adapter through peft against the merged model, before anything is uploaded
+            from memfit.release.adapter import verify_adapter
+
+            verified = verify_adapter(adapter_dir, model, cfg.model.name_or_path, cfg.lora.quantize,
+                                      parity_criteria(cfg.export)).to_dict()
     if files.onnx_error:
         kept = f" The verified SafeTensors export is kept at {files.safetensors_dir}." if files.safetensors_dir else ""
         raise ExportError(f"{files.onnx_error}{kept} Redo only the ONNX with "
@@ -261,4 +276,17 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
     if upload_uri:
         files.uploaded_uri = upload_export(files, upload_uri, metadata)
     return {"checkpoint": loaded.info.uri, "step": loaded.step, "run_name": cfg.run.name, **files.to_dict(),
-            "metadata": metadata}
+            "metadata": metadata, "adapter": verified}
+
+
+def _check_adapter_export(cfg: Any, loaded: LoadedCheckpoint) -> None:
+    """--adapter needs a LoRA checkpoint and a base that outlives the export (not a preset rebuilt in a temp dir)."""
+    from memfit.models.lora import is_lora_state
+
+    if not is_lora_state(loaded.model_state):
+        raise ConfigError(f"--adapter: training checkpoint {loaded.info.uri} holds all weights (a full fine-tune), "
+                          "not LoRA adapters; export without --adapter")
+    if not cfg.model.name_or_path:
+        raise ConfigError(f"--adapter: the checkpoint's base is preset {cfg.model.preset}, rebuilt in a temporary "
+                          "folder, so the adapter would name a base that is gone; pass --set model.name_or_path="
+                          "FOLDER of that base (the run's run.work_dir/presets/...) or use export.adapter in the run")

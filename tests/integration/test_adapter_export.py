@@ -78,6 +78,18 @@ def test_the_adapter_loads_onto_its_base_with_peft_and_equals_the_merged_export(
         verify_adapter(tampered, merged, base, "none", ParityCriteria())
     assert "\n" not in str(err.value)
 
+    # The same adapter from the training checkpoint alone (`memfit export CKPT --adapter`), its base named.
+    from memfit.errors import ConfigError
+    from memfit.release.from_checkpoint import export_checkpoint
+
+    with pytest.raises(ConfigError, match="--adapter: the checkpoint's base is preset tiny-llama"):
+        export_checkpoint(cfg.checkpoint.uri, tmp_path / "again", onnx=False, adapter=True)
+    again = export_checkpoint(cfg.checkpoint.uri, tmp_path / "again", onnx=False, adapter=True,
+                              overrides=[f"model.name_or_path={base}"])
+    assert again["adapter"]["top1_agree"] == 1.0 and again["adapter"]["base"] == base
+    first, second = (load_file(str(Path(d) / "adapter_model.safetensors")) for d in (folder, again["adapter"]["dir"]))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
 
 def test_export_adapter_without_lora_stops_before_training(tiny_config):
     from memfit.errors import ConfigError
