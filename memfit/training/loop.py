@@ -27,7 +27,7 @@ from memfit.reports import TrainReport
 from memfit.runtime.env import keep_heap
 from memfit.tracking.base import Tracker
 from memfit.training.loss import Batch, LossPolicy, blocks_batch, make_loss, trained_tokens
-from memfit.training.optim import memory_now, step_metrics
+from memfit.training.optim import flops_per_token, memory_now, step_metrics
 from memfit.training.schedule import restore_rng, seed_everything
 from memfit.training.strategies import Agreement, SingleProcess
 
@@ -119,6 +119,7 @@ class Trainer:
         self._cut_to_longest = "attention_mask" in data.train_fields  # blocks_batch cuts such batches
         self.flatten = flattened(cfg.data, "position_ids" in data.train_fields, self.attn_implementation)
         self.step_counts = (0, 0, 0)  # the last step's (real, trained, computed) tokens on this rank
+        self.flops = cuda_flops(self.model, device, data.train.shape[1], cfg.train.precision)
         seed_everything(t.seed + s.seed_offset())
 
     # -- state --------------------------------------------------------------------------------------------
@@ -262,7 +263,8 @@ class Trainer:
                     memory = memory_now(self.device)
                     peak_mem = max(peak_mem, memory[0])
                     steplog.add(self.step, agreed.loss, grad_norm, lr=self.scheduler.get_last_lr()[0],
-                                tokens=real, trained=trained, slots=slots, seconds=dt, memory=memory)
+                                tokens=real, trained=trained, slots=slots, seconds=dt, memory=memory,
+                                **self.flops)
                     self._log_routing()
                 bar.update(1)
                 # The newest loss read, not this step's: reading it here would make every step wait.
@@ -340,6 +342,21 @@ class Trainer:
             return self.monitor.stop_message
         return (f"the memory peak on another rank passed monitor.stop_at_fraction at step {self.step} (its log has "
                 "the figures): stopped with a training checkpoint instead of running out of memory")
+
+
+def cuda_flops(model: nn.Module, device: torch.device, seq_len: int, precision: str) -> dict[str, float]:
+    """On CUDA: FLOPs per token (PaLM's count) and the device's dense peak for the compute dtype, for the tflops
+    and mfu metrics; elsewhere nothing (a CPU has no meaningful peak to hold a step against)."""
+    if device.type != "cuda":
+        return {}
+    from memfit.config.devices import profile_for_report
+
+    config = getattr(getattr(model, "module", model), "config", None)
+    layers, hidden = getattr(config, "num_hidden_layers", 0), getattr(config, "hidden_size", 0)
+    dtype = {"bf16-mixed": "bfloat16", "bf16-true": "bfloat16", "fp16-mixed": "float16"}.get(precision, "float32")
+    profile = profile_for_report({"type": "cuda", "name": torch.cuda.get_device_name(device)})
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"flops": flops_per_token(n_params, layers, hidden, seq_len), "peak_flops": profile.flops_per_s(dtype)}
 
 
 def flattened(data_cfg: Any, packed: bool, attn_implementation: str) -> bool:

@@ -162,17 +162,29 @@ def memory_now(device: torch.device) -> tuple[int, int]:
     return int(rss), int(rss)
 
 
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
+    """Pure: training FLOPs per token as PaLM (appendix B) and torchtitan count them: 6 per parameter (forward and
+    backward) plus attention's 12 x layers x hidden x sequence length (not counted in the parameters)."""
+    return 6.0 * n_params + 12.0 * n_layers * hidden * seq_len
+
+
 def step_metrics(loss: float, lr: float, grad_norm: float, tokens: int, seconds: float,
-                 memory: tuple[int, int], trained: int | None = None, slots: int | None = None
-                 ) -> dict[str, float]:
+                 memory: tuple[int, int], trained: int | None = None, slots: int | None = None,
+                 flops: float | None = None, peak_flops: float | None = None) -> dict[str, float]:
     """What every trainer logs for an optimizer step (the names the MLflow charts and the README use).
 
     `tokens`: the step's real tokens (no padding); `trained`: those whose prediction is trained (a label);
-    `slots`: the token positions computed, padding included (padding_fraction = 1 - tokens / slots)."""
+    `slots`: the token positions computed, padding included (padding_fraction = 1 - tokens / slots); `flops`:
+    FLOPs per token and `peak_flops` the device's peak FLOP/s (tflops, mfu: CUDA runs)."""
     out = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / seconds,
            "step_time_s": seconds, "memory_peak_bytes": memory[0], "memory_current_bytes": memory[1]}
     if trained is not None:
         out["trained_tokens_per_s"] = trained / seconds
     if slots:
         out["padding_fraction"] = 1.0 - tokens / slots
+    if flops:  # `flops`: per real token (flops_per_token); MFU against the device's dense peak for the dtype
+        achieved = flops * tokens / seconds
+        out["tflops"] = achieved / 1e12
+        if peak_flops:
+            out["mfu"] = achieved / peak_flops
     return out

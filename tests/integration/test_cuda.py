@@ -74,3 +74,18 @@ def test_bf16_mixed_trains_on_cuda_and_resumes(tiny_config, tmp_path):
     # A longer run resumes from the step-20 training checkpoint (CUDA RNG state included) and finishes.
     second = _train(tiny_config(**common, **{"train.max_steps": 24}))
     assert second.resumed_from == 20 and second.steps == 24
+
+
+def test_a_cuda_run_logs_tflops_and_mfu_against_the_device_peak(tiny_config):
+    from mlflow import MlflowClient
+
+    cfg = tiny_config(**{"train.device": "cuda", "train.precision": "bf16-mixed", "train.max_steps": 8,
+                         "train.log_every_steps": 2})
+    result = _train(cfg)
+    client = MlflowClient(cfg.tracking.resolved_uri())
+    metrics = client.get_run(result.mlflow_run_id).data.metrics
+    from memfit.config.devices import profile_for_report
+
+    peak = profile_for_report({"type": "cuda", "name": torch.cuda.get_device_name()}).flops_per_s("bfloat16")
+    assert metrics["tflops"] > 0 and 0 < metrics["mfu"] < 1
+    assert metrics["mfu"] == pytest.approx(metrics["tflops"] * 1e12 / peak)  # the last logged step's

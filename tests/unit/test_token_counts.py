@@ -85,3 +85,16 @@ def test_a_flattened_micro_batch_has_no_padding_and_the_same_loss_as_its_rows():
     loss = make_loss()
     with torch.no_grad():
         assert float(loss(model, flat)) == pytest.approx(float(loss(model, per_row)), rel=1e-5)
+
+
+def test_flops_per_token_and_mfu_as_palm_and_torchtitan_count_them():
+    from memfit.training.optim import flops_per_token
+
+    # Llama-3-8B at 2048 tokens: 6 x 8.03e9 for the weights + 12 x 32 layers x 4096 x 2048 for attention.
+    per_token = flops_per_token(8_030_261_248, 32, 4096, 2048)
+    assert per_token == 6 * 8_030_261_248 + 12 * 32 * 4096 * 2048 == pytest.approx(5.14e10, rel=1e-3)
+    m = step_metrics(2.0, lr=1e-3, grad_norm=1.0, tokens=8192, seconds=1.0, memory=(1, 1), flops=per_token,
+                     peak_flops=989e12)
+    assert m["tflops"] == pytest.approx(per_token * 8192 / 1e12)
+    assert m["mfu"] == pytest.approx(per_token * 8192 / 989e12)  # ≈ 0.43 on an H100's bf16 peak
+    assert "mfu" not in step_metrics(2.0, lr=1e-3, grad_norm=1.0, tokens=1, seconds=1.0, memory=(1, 1))
