@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_support import FAMILIES, family_folder
+from family_support import FAMILIES, MOE, family_folder
 from tests_support import tiny_overrides
 
 from memfit import config, phases
@@ -33,8 +33,8 @@ def test_family_estimates_trains_exports_and_passes_parity(tmp_path_factory, tmp
 
     cfg = config.load(REPO / "configs" / "tiny.yaml", tiny_overrides(tmp_path, None, **{
         "model.name_or_path": str(folder), "train.max_steps": 10, "checkpoint.every_steps": 10, "train.lr": 3e-3,
-        "tracking.backend": "null", "train.num_threads": 1, "train.eval_batches": 2, "memory.policy": "none",
-        "export.onnx": True, "registry.enabled": False, "data.seq_len": 64}))
+        "train.num_threads": 1, "train.eval_batches": 2, "memory.policy": "none", "train.log_every_steps": 2,
+        "export.onnx": True, "registry.enabled": False, "data.seq_len": 64, "tracking.system_metrics": False}))
     probe = phases.check_environment_and_probe(cfg)
     result = phases.train(cfg, phases.plan_stack(cfg, probe), phases.recover_training_checkpoint(cfg), probe)
     assert result.final_train_loss < result.initial_val_loss, family
@@ -45,3 +45,14 @@ def test_family_estimates_trains_exports_and_passes_parity(tmp_path_factory, tmp
     with torch.no_grad():
         logits = reloaded(input_ids=torch.randint(0, 400, (1, 12))).logits
     assert torch.isfinite(logits).all()
+
+    # In MLflow: the router's load-balancing loss apart from the loss, and expert utilisation (MoE families whose
+    # router returns logits; DeepSeek-V3 balances with a bias and reports neither).
+    from mlflow import MlflowClient
+
+    metrics = MlflowClient(cfg.tracking.resolved_uri()).get_run(result.mlflow_run_id).data.metrics
+    routed = family in MOE and family != "deepseek_v3"
+    assert ("router_aux_loss" in metrics) == routed and ("experts_max_share" in metrics) == routed
+    if routed:
+        assert metrics["router_aux_loss"] > 0 and 0 <= metrics["experts_min_share"] <= 0.25 <= metrics[
+            "experts_max_share"] <= 1  # 4 experts: balanced is 1/4
