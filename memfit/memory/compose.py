@@ -61,6 +61,33 @@ class StaticTrace:
     host_bytes: int = 0  # optimizer state kept in host memory (CPU-offloaded AdamW)
 
 
+def extrapolate_static(shallow: list[StaticTrace], n_blocks: int) -> StaticTrace | None:
+    """The full-depth static trace from traces at depths 1, 2, 3 of a model whose blocks are alike: each byte
+    count grows by the same amount per block. None when the growth from 1 to 2 and from 2 to 3 differ by a
+    single byte (something is not per block: trace at full depth)."""
+    a, b, c = shallow
+
+    def line(x: int, y: int, z: int) -> int | None:
+        return None if z - y != y - x else z + (n_blocks - 3) * (z - y)
+
+    vecs = []
+    for get in (lambda s: s.before_opt, lambda s: s.after_opt, lambda s: s.opt_peak):
+        va, vb, vc = get(a), get(b), get(c)
+        vec = {k: line(va[k], vb[k], vc[k]) for k in vc}
+        if va.keys() != vc.keys() or vb.keys() != vc.keys() or None in vec.values():
+            return None
+        vecs.append(vec)
+    counts = [line(getattr(a, f), getattr(b, f), getattr(c, f))
+              for f in ("n_params", "n_trainable", "weight_bytes", "host_bytes")]
+    if None in counts:
+        return None
+    n_params, n_trainable, weight_bytes, host_bytes = counts
+    seconds = c.opt_seconds + (n_blocks - 3) * max(0.0, c.opt_seconds - b.opt_seconds)
+    return StaticTrace(n_blocks=n_blocks, before_opt=vecs[0], after_opt=vecs[1], opt_peak=vecs[2],
+                       opt_seconds=seconds, n_params=n_params, n_trainable=n_trainable, weight_bytes=weight_bytes,
+                       host_bytes=host_bytes)
+
+
 @dataclass
 class Estimate:
     """Predicted peak of one steady-state training step (optimizer state allocated), and its time."""

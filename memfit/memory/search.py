@@ -226,7 +226,7 @@ def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None
     else:
         e = estimate_policy(cfg, profile, cfg.memory.policy, estimator=est)
     limit = None if budget is None else int(budget * (1 - cfg.memory.safety_margin))
-    counts = model_param_counts(est.hf_config)
+    counts = model_param_counts(est.hf_config, est.base_model())  # the meta build the estimator holds
     return {
         "params_total": counts["total"], "params_active": counts["active"],
         "experts": None if counts["experts"] is None else dict(zip(("routed", "per_token"), counts["experts"],

@@ -153,13 +153,15 @@ def param_counts(named_numels: list[tuple[str, int]], experts: tuple[int, int] |
     return {"total": total, "active": total - routed + routed * top_k // n_experts, "routed_experts": routed}
 
 
-def model_param_counts(hf_config: Any) -> dict[str, Any]:
+def model_param_counts(hf_config: Any, model: torch.nn.Module | None = None) -> dict[str, Any]:
     """Total and active parameters of the base model (a token uses top_k of E routed experts), from a meta-device
-    build of its config: shapes only, seconds even for a 30B mixture of experts."""
+    build of its config (or the one given: the estimator's): shapes only, seconds even for a 30B mixture of
+    experts."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+    if model is None:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
     experts = routed_experts(hf_config)
     counts = param_counts([(n, p.numel()) for n, p in model.named_parameters()], experts)
     return {"total": counts["total"], "active": counts["active"], "experts": experts}

@@ -195,3 +195,33 @@ def test_qwen3_30b_a3b_estimate_from_config_json_alone_with_lora_and_qlora_rows(
     # bitsandbytes quantizes Linear layers: attention shrinks to 4 bits, the fused 3-D expert weights do not.
     assert 0 < lora["weight_bytes"] - qlora["weight_bytes"] < 0.05 * lora["weight_bytes"]
     assert qlora["peak_bytes"] < lora["peak_bytes"]
+
+
+UNLIKE_BLOCKS = {  # blocks that differ, or layer types that add state outside the blocks past the third layer
+    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1,
+                    "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "num_key_value_heads": 4},
+    "gemma3_text": {"head_dim": 16},
+}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", *sorted(UNLIKE_BLOCKS)])
+@pytest.mark.parametrize("device", ["cpu", "h100-80gb"])
+def test_weights_and_optimizer_from_shallow_traces_equal_the_full_depth_trace(family, device):
+    """Alike blocks: weights, gradients, optimizer state and the optimizer step's peak traced at depths 1-3 and
+    extrapolated, byte for byte what the full-depth trace gives (foreach scratch on CUDA targets included);
+    unlike blocks are traced at full depth."""
+    from transformers import AutoConfig
+
+    extra = UNLIKE_BLOCKS.get(family, {"num_key_value_heads": 2, **MOE["qwen3_moe"]})
+    cfg = AutoConfig.for_model(family, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=7, num_attention_heads=4,
+                               intermediate_size=128, **extra)
+    stacks = [Stack("fp32", 1, 1, False), Stack("bf16-mixed", 1, 1, True),
+              Stack("bf16-mixed", 1, 1, True, quantize="nf4")]
+    for stack in stacks if family == "qwen3_moe" else stacks[:1]:
+        est = Estimator(cfg, SEQ, PROFILES[device], lora_cfg=config.LoraConfig(enabled=True, r=4))
+        assert est.uniform_blocks() == (family == "qwen3_moe")
+        fast = est.static(stack)
+        full = est._trace_static_at(est.n_blocks, est.resolved(stack))
+        for field in ("before_opt", "after_opt", "opt_peak", "n_params", "n_trainable", "weight_bytes", "n_blocks"):
+            assert getattr(fast, field) == getattr(full, field), (stack.label(), field)
