@@ -234,8 +234,9 @@ class Estimator:
         # Weights, gradients and optimizer state grow by the same bytes per block when the blocks are alike
         # (Qwen3-30B-A3B's 48): traced at depths 1, 2 and 3, extrapolated when the growth is exactly linear
         # there. Seconds instead of a full-depth build and optimizer step (19 s per stack on that shape).
-        # Unlike blocks (DeepSeek's first dense layers, Qwen3-MoE's mlp_only_layers) are traced at full depth.
-        if self.n_blocks > 3 and self.uniform_blocks():
+        # Unlike blocks (DeepSeek's first dense layers, Qwen3-MoE's mlp_only_layers) are traced at full depth, and
+        # so are models of up to 6 blocks (the shallow traces would hold as many).
+        if self.n_blocks > 6 and self.uniform_blocks():
             shallow = [self._trace_static_at(d, stack) for d in (1, 2, 3)]
             full = extrapolate_static(shallow, self.n_blocks)
             if full is not None:

@@ -214,7 +214,7 @@ def test_weights_and_optimizer_from_shallow_traces_equal_the_full_depth_trace(fa
     from transformers import AutoConfig
 
     extra = UNLIKE_BLOCKS.get(family, {"num_key_value_heads": 2, **MOE["qwen3_moe"]})
-    cfg = AutoConfig.for_model(family, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=7, num_attention_heads=4,
+    cfg = AutoConfig.for_model(family, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
                                intermediate_size=128, **extra)
     stacks = [Stack("fp32", 1, 1, False), Stack("bf16-mixed", 1, 1, True),
               Stack("bf16-mixed", 1, 1, True, quantize="nf4")]
