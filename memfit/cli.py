@@ -303,24 +303,9 @@ def estimate(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = 
     if as_json:
         typer.echo(json.dumps(out, sort_keys=True))
         return
-    gb = 1e9
-    typer.echo(f"{out['policy']} on {out['device']}, {out['precision']}, micro-batch {out['micro_batch_size']} x "
-               f"{out['grad_accum_steps']} x {out['seq_len']} tokens{', LoRA' if out['lora'] else ''}: "
-               f"peak {out['total_bytes'] / gb:.3f} GB ({out['peak_at']})")
-    for k, v in out["breakdown"].items():
-        typer.echo(f"  {k:<12} {v / gb:10.3f} GB")
-    if out["budget_bytes"] is not None:
-        typer.echo(f"  budget {out['budget_bytes'] / gb:.3f} GB ({out['budget_source']}): "
-                   f"{'fits' if out['fits'] else 'does NOT fit'}")
-    active = "" if out["experts"] is None else (
-        f", {out['params_active'] / 1e9:.2f} B active per token ({out['experts']['per_token']} of "
-        f"{out['experts']['routed']} routed experts; routed activations booked as tokens x top-k rows, which "
-        f"grouped_mm holds however the router spreads them)")
-    typer.echo(f"  parameters: {out['params_total'] / 1e9:.2f} B{active}")
-    for row in out["adapter_rows"]:
-        fits = "" if row["fits"] is None else (": fits" if row["fits"] else ": does NOT fit")
-        typer.echo(f"  {row['stack']:<17} peak {row['peak_bytes'] / gb:8.3f} GB, weights "
-                   f"{row['weight_bytes'] / gb:.3f} GB, {row['n_trainable'] / 1e6:.1f} M trainable{fits}")
+    from memfit.memory.breakdown import estimate_text
+
+    typer.echo(estimate_text(out))
 
 
 def _max_seq(config: Any, set_: Any, device: str | None, budget_gb: float | None, as_json: bool) -> None:

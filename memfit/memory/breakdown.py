@@ -190,3 +190,30 @@ def markdown(name: str, description: str, summary: dict[str, Any]) -> str:
     lines.append("| **sum** | " + " | ".join(f"**{sums[k] / MB:.3f}**" for k, _ in cols[:5]) + " | | | |")
     lines.append("")
     return "\n".join(lines)
+
+
+def estimate_text(out: dict[str, Any]) -> str:
+    """Pure: `memfit estimate`'s report (memory.search.estimate_report) as the lines a person reads."""
+    gb = 1e9
+    lines = [f"{out['policy']} on {out['device']}, {out['precision']}, micro-batch {out['micro_batch_size']} x "
+             f"{out['grad_accum_steps']} x {out['seq_len']} tokens{', LoRA' if out['lora'] else ''}: "
+             f"peak {out['total_bytes'] / gb:.3f} GB ({out['peak_at']})"]
+    lines += [f"  {k:<12} {v / gb:10.3f} GB" for k, v in out["breakdown"].items()]
+    if out["budget_bytes"] is not None:
+        lines.append(f"  budget {out['budget_bytes'] / gb:.3f} GB ({out['budget_source']}): "
+                     f"{'fits' if out['fits'] else 'does NOT fit'}")
+    active = "" if out["experts"] is None else (
+        f", {_count(out['params_active'])} active per token ({out['experts']['per_token']} of "
+        f"{out['experts']['routed']} routed experts; routed activations booked as tokens x top-k rows, which "
+        f"grouped_mm holds however the router spreads them)")
+    lines.append(f"  parameters: {_count(out['params_total'])}{active}")
+    for row in out["adapter_rows"]:
+        fits = "" if row["fits"] is None else (": fits" if row["fits"] else ": does NOT fit")
+        lines.append(f"  {row['stack']:<17} peak {row['peak_bytes'] / gb:8.3f} GB, weights "
+                     f"{row['weight_bytes'] / gb:.3f} GB, {row['n_trainable'] / 1e6:.1f} M trainable{fits}")
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
