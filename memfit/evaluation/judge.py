@@ -97,8 +97,7 @@ def judge(cfg: Any, hf_dir: str, device: str, tracker: Any, step: int, work: Pat
                    step, work / "champion-tasks")
         log.info("judged the champion on the same tasks and sets: %s",
                  {k: round(v, 4) for k, v in theirs.metrics.items() if not k.endswith("_stderr")})
-    tracker.log_metrics({k: v for k, v in metrics.items() if k.startswith(CHAMPION)}
+    # The sets' scores and sizes, and the champion's figures (the tasks' own went with log_scores).
+    tracker.log_metrics({k: v for k, v in metrics.items() if k not in ours.tasks.metrics}
                         | {f"eval/{s.name}/examples": float(len(s.rows)) for s in ours.sets}, step=step)
-    if ours.sets:  # the sets' scores (the tasks' went with log_scores)
-        tracker.log_metrics({k: v for s in ours.sets for k, v in s.metrics().items()}, step=step)
     return metrics

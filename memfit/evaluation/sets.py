@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -68,6 +69,7 @@ def check_sets(sets: list[Any]) -> None:
             _libraries()
 
 
+@functools.cache  # one scorer for every answer of every set
 def _libraries() -> tuple[Any, Any]:
     try:
         from lm_eval.api.metrics import exact_match_hf_evaluate

@@ -181,11 +181,12 @@ class Trainer:
             idx = s.shard(self.order.next_indices(), t.micro_batch_size)
             rows = [int(i) for i in idx]
             lengths = [self._row_real[i] for i in rows]
+            row_trained = sum(self._row_trained[i] for i in rows)
             real += sum(lengths)
-            trained += sum(self._row_trained[i] for i in rows)
+            trained += row_trained
             slots += (sum(lengths) if self.flatten else
                       len(rows) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1]))
-            self.trained_tokens_seen += sum(self._row_trained[i] for i in rows)
+            self.trained_tokens_seen += row_trained
             batch = blocks_batch(self.data.train, idx, self.device, self.data.train_fields, self.attn_implementation,
                                  lengths if self.flatten else None)
             with s.micro_batch(last=k == t.grad_accum_steps - 1):
