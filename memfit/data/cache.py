@@ -32,7 +32,8 @@ def cache_key(cfg: MemfitConfig, digest: str, tokenizer: Any) -> str:
     template = getattr(tokenizer, "chat_template", None)
     parts = {"digest": digest, "tokenizer": tokenizer_fingerprint(tokenizer), "seq_len": d.seq_len,
              "val_fraction": d.val_fraction, "seed": d.seed, "layout": 3, "data_format": d.format,
-             "fields": [d.text_field, d.prompt_field, d.completion_field, d.messages_field],
+             "fields": [d.text_field, d.prompt_field, d.completion_field, d.messages_field, d.chosen_field,
+                        d.rejected_field],
              "template": hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest(),
              "train_on": d.train_on, "packing": d.packing, "overlong": d.overlong, "heldout": d.heldout_prompts}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]

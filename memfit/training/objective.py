@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +16,7 @@ from torch import nn
 from memfit.data.pairs import REJECTED
 from memfit.training.loss import Batch, LossPolicy, blocks_batch, make_loss
 
+log = logging.getLogger("memfit.train")
 # A preference batch: the chosen side under the usual names (input_ids, labels, attention_mask), the rejected side
 # under REJECTED + name, and with dpo.reference precompute the reference's summed log-probs per pair.
 REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -188,6 +191,7 @@ def precompute_reference(model: nn.Module, data: Any, batch_size: int, device: t
     held while training and the batches carry them in the data order."""
     from memfit.memory.probe import autocast_context
 
+    t0 = time.perf_counter()
     was_training = model.training
     model.eval()
     for rows, fields in ((data.train, data.train_fields), (data.val, data.val_fields)):
@@ -201,6 +205,8 @@ def precompute_reference(model: nn.Module, data: Any, batch_size: int, device: t
             rejected.append(summed[n:].float().cpu())
         fields[REFERENCE_KEYS[0]], fields[REFERENCE_KEYS[1]] = torch.cat(chosen), torch.cat(rejected)
     model.train(was_training)
+    log.info("dpo.reference precompute: reference log-probs of %d training + %d validation pairs in %.1f s",
+             len(data.train), len(data.val), time.perf_counter() - t0)
 
 
 def make_reference(setting: str, loss_type: str, model: nn.Module) -> Reference:
