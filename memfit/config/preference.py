@@ -23,10 +23,11 @@ class DpoConfig(Section):
         "CPO loss_type simpo without the SFT term). No reference model is used with simpo.")
     label_smoothing: float = Field(
         0.0, ge=0.0, lt=0.5, description="sigmoid and simpo: the share of pairs assumed mislabelled (conservative "
-        "DPO, cDPO): the loss mixes in the flipped pair with this weight. 0: plain DPO.")
+        "DPO, cDPO): the loss mixes in the flipped pair with this weight, as TRL's CPO and earlier DPO trainers "
+        "(TRL 1.16's DPO sigmoid ignores it). 0: plain DPO.")
     simpo_gamma: float = Field(
-        0.5, ge=0.0, description="simpo: the target reward margin, as a fraction of beta (TRL: gamma_beta_ratio "
-        "= simpo_gamma / beta is subtracted inside the sigmoid times beta).")
+        0.5, ge=0.0, description="simpo: the target reward margin gamma, in reward units: the loss is -log "
+        "sigmoid(beta x (mean log-prob chosen - rejected) - simpo_gamma), as TRL's CPOConfig simpo_gamma.")
     reference: Literal["auto", "adapter_off", "copy", "precompute"] = Field(
         "auto", description="Where the reference log-probs come from (sigmoid, ipo). adapter_off: the same "
         "model with its LoRA adapters disabled (no extra weights; needs lora.enabled); copy: a frozen copy of "

@@ -91,3 +91,14 @@ def encode_pairs(corpus: Corpus, tokenizer: Any, data: DataConfig, pad_id: int
     other, _ = pack_padded(rejected, data.seq_len, pad_id)
     rows.update({REJECTED + k: v for k, v in other.items()})
     return rows, index, counts
+
+
+def with_rejected_side(fields: dict[str, torch.Tensor], trained: list[int], real: list[int]
+                       ) -> tuple[list[int], list[int]]:
+    """Per-row trained and real token counts with a preference row's rejected side added (unchanged otherwise)."""
+    if REJECTED + "labels" not in fields:
+        return trained, real
+    more_trained = (fields[REJECTED + "labels"][:, 1:] != IGNORE).sum(dim=1).tolist()
+    more_real = fields[REJECTED + "attention_mask"].sum(-1).tolist()
+    return ([a + b for a, b in zip(trained, more_trained, strict=True)],
+            [a + b for a, b in zip(real, more_real, strict=True)])

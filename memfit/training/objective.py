@@ -151,12 +151,12 @@ class DpoObjective:
                                                       self.simpo_gamma, summed[:pairs], summed[pairs:], sides,
                                                       ref_summed[:pairs], ref_summed[pairs:])
             logps = summed.detach()
-        self._record(r_chosen, r_rejected, logps, mean.detach(), pairs)
+        self._record(losses.detach(), r_chosen, r_rejected, logps, mean.detach(), pairs)
         return losses.mean()
 
-    def _record(self, r_chosen: torch.Tensor, r_rejected: torch.Tensor, summed: torch.Tensor, mean: torch.Tensor,
-                pairs: int) -> None:
-        values = {"rewards/chosen": r_chosen, "rewards/rejected": r_rejected,
+    def _record(self, losses: torch.Tensor, r_chosen: torch.Tensor, r_rejected: torch.Tensor, summed: torch.Tensor,
+                mean: torch.Tensor, pairs: int) -> None:
+        values = {"dpo_loss": losses, "rewards/chosen": r_chosen, "rewards/rejected": r_rejected,
                   "rewards/accuracies": (r_chosen > r_rejected).float(), "rewards/margins": r_chosen - r_rejected,
                   "logps/chosen": summed[:pairs], "logps/rejected": summed[pairs:],
                   # the policy alone ranks the pair by per-token log-prob: ~0.5 for a model that knows no preference
@@ -173,13 +173,15 @@ class DpoObjective:
         return out
 
     @contextlib.contextmanager
-    def measuring(self) -> Iterator[dict[str, float]]:
-        """Metrics of the calls inside (an evaluation) apart from the training steps' running sums."""
+    def measuring(self, tracker: Any, step: int) -> Iterator[None]:
+        """An evaluation's metrics, apart from the training steps' running sums, logged as val_* at `step`."""
         saved, self._sums, self._pairs = (self._sums, self._pairs), {}, 0
-        out: dict[str, float] = {}
         try:
-            yield out
-            out.update(self.pop_metrics())
+            yield
+            metrics = self.pop_metrics()
+            tracker.log_metrics({f"val_{k}": v for k, v in metrics.items()}, step=step)
+            log.info("validation pairs at step %d: dpo loss %.4f, preference accuracy %.3f, rewards/accuracies %.3f",
+                     step, metrics["dpo_loss"], metrics["preference_accuracy"], metrics["rewards/accuracies"])
         finally:
             self._sums, self._pairs = saved
 
@@ -222,11 +224,15 @@ def make_reference(setting: str, loss_type: str, model: nn.Module) -> Reference:
     return FrozenCopy(model)
 
 
-def make_objective(cfg: Any | None = None, model: nn.Module | None = None) -> LossPolicy:
+def make_objective(cfg: Any | None = None, model: nn.Module | None = None, data: Any = None,
+                   device: torch.device | None = None, precision: str = "fp32") -> LossPolicy:
     """The run's objective (the one place it is chosen): train.objective sft is the loss policy (memory.loss);
-    dpo is a DpoObjective over `model`'s reference (the copy is taken here, before the first step)."""
+    dpo is a DpoObjective over `model`'s reference, taken here before the first step (the copy, or with
+    precompute the log-probs stored beside `data`)."""
     if cfg is None or cfg.train.objective == "sft":
         return make_loss(cfg)
     d = cfg.dpo
     reference = make_reference(d.reference, d.loss_type, model) if model is not None else Reference()
+    if reference.name == "precompute" and model is not None and data is not None:
+        precompute_reference(model, data, cfg.train.micro_batch_size, device or torch.device("cpu"), precision)
     return DpoObjective(d.beta, d.loss_type, d.label_smoothing, d.simpo_gamma, reference)
