@@ -19,6 +19,7 @@ from memfit.data.packing import (
     split_rows,
     tokenize_and_pack,
 )
+from memfit.errors import DataError
 
 log = logging.getLogger("memfit.data")
 
@@ -92,6 +93,11 @@ def prepare_data(cfg: MemfitConfig, tokenizer: Any, texts: list[str] | None = No
     """Load (unless given), encode with data.train_on, pack with data.packing, split with data.val_fraction / seed."""
     data = cfg.data
     corpus = texts if isinstance(texts, Corpus) else load_texts(data) if texts is None else Corpus(list(texts))
+    if (cfg.train.objective == "dpo") != (corpus.format == "preference"):
+        where = data.path or "the synthetic corpus"
+        raise DataError(f"train.objective: {cfg.train.objective}, and {where} holds {corpus.format} "
+                        "records; dpo trains on preference pairs (records with chosen and rejected fields, or "
+                        "data.format: preference without data.path for synthetic ones), sft on the others")
     if corpus.format == "preference":  # one pair a row, padded; no packing, loss on the completions
         from memfit.data.pairs import encode_pairs
 

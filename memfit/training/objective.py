@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.data.pairs import REJECTED
+from memfit.errors import ConfigError
 from memfit.training.loss import Batch, LossPolicy, blocks_batch, make_loss
 
 log = logging.getLogger("memfit.train")
@@ -218,6 +219,10 @@ def make_reference(setting: str, loss_type: str, model: nn.Module) -> Reference:
     if setting == "auto":
         setting = "adapter_off" if hasattr(model, "disable_adapter") else "copy"
     if setting == "adapter_off":
+        if not hasattr(model, "disable_adapter"):
+            raise ConfigError("dpo.reference: adapter_off needs LoRA adapters, and this run trains all weights "
+                              "(lora.enabled auto chose full fine-tuning); set dpo.reference to auto, copy or "
+                              "precompute, or lora.enabled: true")
         return AdapterOff()
     if setting == "precompute":
         return Precomputed()

@@ -110,3 +110,14 @@ def test_objective_and_format_must_agree():
         config.load(None, ["data.format=preference"])
     with pytest.raises(ConfigError, match="dpo.reference: adapter_off .* lora.enabled is false"):
         config.load(None, ["train.objective=dpo", "dpo.reference=adapter_off"])
+
+
+def test_dpo_on_records_that_are_not_pairs_says_so(tmp_path, tok):
+    path = write_jsonl([{"messages": PROMPT + CHOSEN}] * 10, tmp_path / "chat.jsonl")
+    with pytest.raises(DataError, match=r"train\.objective: dpo, and .*chat\.jsonl holds messages records"):
+        prepare_data(_cfg(path), tok)
+    pairs = write_jsonl(synthetic_preference_pairs(10, 0), tmp_path / "pairs.jsonl")
+    with pytest.raises(ConfigError, match="preference pairs need train.objective: dpo"):
+        prepare_data(config.load(None, [f"data.path={pairs}", "data.format=preference"]), tok)
+    with pytest.raises(DataError, match=r"train\.objective: sft, and .*pairs\.jsonl holds preference records"):
+        prepare_data(config.load(None, [f"data.path={pairs}"]), tok)
