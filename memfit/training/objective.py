@@ -133,6 +133,7 @@ class DpoObjective:
         self.reference = reference or Reference()
         self._sums: dict[str, torch.Tensor] = {}
         self._pairs = 0
+        self._evaluating = False
 
     def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         summed, counts = policy_logps(model, batch)
@@ -153,6 +154,8 @@ class DpoObjective:
                                                       ref_summed[:pairs], ref_summed[pairs:])
             logps = summed.detach()
         self._record(losses.detach(), r_chosen, r_rejected, logps, mean.detach(), pairs)
+        if self._evaluating:  # val_loss stays what phase 5 reports: next-token loss of the chosen completions
+            return -summed[:pairs].sum() / counts[:pairs].sum().clamp(min=1)
         return losses.mean()
 
     def _record(self, losses: torch.Tensor, r_chosen: torch.Tensor, r_rejected: torch.Tensor, summed: torch.Tensor,
@@ -175,8 +178,10 @@ class DpoObjective:
 
     @contextlib.contextmanager
     def measuring(self, tracker: Any, step: int) -> Iterator[None]:
-        """An evaluation's metrics, apart from the training steps' running sums, logged as val_* at `step`."""
+        """An evaluation: its metrics apart from the training steps' running sums, logged as val_* at `step` (the
+        DPO loss as val_dpo_loss); each call inside returns the chosen completions' next-token loss instead."""
         saved, self._sums, self._pairs = (self._sums, self._pairs), {}, 0
+        self._evaluating = True
         try:
             yield
             metrics = self.pop_metrics()
@@ -185,6 +190,7 @@ class DpoObjective:
                      step, metrics["dpo_loss"], metrics["preference_accuracy"], metrics["rewards/accuracies"])
         finally:
             self._sums, self._pairs = saved
+            self._evaluating = False
 
 
 @torch.no_grad()

@@ -72,3 +72,14 @@ def test_an_evaluation_logs_val_metrics_and_leaves_the_training_sums_alone():
     train = objective.pop_metrics()  # the training call's sums survived the evaluation
     assert set(train) == {k.removeprefix("val_") for k in logged} and train != {k.removeprefix("val_"): v
                                                                                  for k, v in logged.items()}
+
+
+def test_an_evaluation_returns_the_chosen_next_token_loss_as_phase_5_does():
+    from memfit.training.loss import PlainLoss
+
+    model = _model()
+    objective, batch = DpoObjective(reference=FrozenCopy(model)), _batch()
+    with torch.no_grad(), objective.measuring(_Tracker(), step=0):
+        val = objective(model, batch).item()
+    with torch.no_grad():
+        assert val == pytest.approx(PlainLoss()(model, batch).item(), abs=1e-5)  # the chosen side alone
