@@ -121,3 +121,21 @@ def test_dpo_on_records_that_are_not_pairs_says_so(tmp_path, tok):
         prepare_data(config.load(None, [f"data.path={pairs}", "data.format=preference"]), tok)
     with pytest.raises(DataError, match=r"train\.objective: sft, and .*pairs\.jsonl holds preference records"):
         prepare_data(config.load(None, [f"data.path={pairs}"]), tok)
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop", "error"])
+def test_overlong_pairs_follow_data_overlong(tmp_path, tok, policy):
+    long = {"prompt": "Q: go on from a.\nA:", "chosen": " b c d." * 30, "rejected": " d c b."}
+    path = write_jsonl([*synthetic_preference_pairs(9, 0), long, *synthetic_preference_pairs(5, 1)],
+                       tmp_path / "pairs.jsonl")
+    cfg = _cfg(path, f"data.overlong={policy}")
+    if policy == "error":
+        with pytest.raises(DataError, match=r"data\.overlong: .*pairs\.jsonl record 10: field 'chosen' makes the "
+                                            r"pair \d+ tokens, more than data\.seq_len=64"):
+            prepare_data(cfg, tok)
+        return
+    bundle = prepare_data(cfg, tok)
+    assert bundle.stats["truncated" if policy == "truncate" else "dropped"] == 1
+    assert bundle.stats["examples"] == (15 if policy == "truncate" else 14)
+    masks = torch.cat([bundle.train_fields["attention_mask"], bundle.val_fields["attention_mask"]])
+    assert (int(masks.sum(-1).max()) == 64) == (policy == "truncate")  # cut to seq_len, or gone
