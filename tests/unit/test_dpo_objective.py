@@ -83,3 +83,14 @@ def test_an_evaluation_returns_the_chosen_next_token_loss_as_phase_5_does():
         val = objective(model, batch).item()
     with torch.no_grad():
         assert val == pytest.approx(PlainLoss()(model, batch).item(), abs=1e-5)  # the chosen side alone
+
+
+def test_a_dpo_run_is_resumed_only_with_the_same_dpo_settings():
+    from memfit import config
+    from memfit.run_context import run_identity
+
+    sft = run_identity(config.load(None))
+    assert "objective" not in sft["train"] and "dpo" not in sft  # SFT checkpoints written before DPO still resume
+    assert "chosen_field" not in sft["data"]
+    dpo = run_identity(config.load(None, ["train.objective=dpo", "dpo.beta=0.2"]))
+    assert dpo["train"]["objective"] == "dpo" and dpo["dpo"]["beta"] == 0.2
