@@ -94,3 +94,19 @@ def test_a_dpo_run_is_resumed_only_with_the_same_dpo_settings():
     assert "chosen_field" not in sft["data"]
     dpo = run_identity(config.load(None, ["train.objective=dpo", "dpo.beta=0.2"]))
     assert dpo["train"]["objective"] == "dpo" and dpo["dpo"]["beta"] == 0.2
+
+
+def test_two_micro_batches_give_the_gradient_of_one_batch():
+    """Accumulation (each micro-batch's mean loss / steps, as the strategies scale it) matches the whole batch."""
+    batch = _batch(pairs=4)
+    grads = []
+    for parts in (1, 2):
+        model = _model()
+        objective = DpoObjective(reference=FrozenCopy(_model()), beta=0.5)
+        model.model.embed_tokens.weight.data.mul_(1.5)  # unlike the reference
+        for i in range(parts):
+            rows = slice(i * 4 // parts, (i + 1) * 4 // parts)
+            (objective(model, {k: v[rows] for k, v in batch.items()}) / parts).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert float(grads[0].abs().max()) > 1e-4
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
