@@ -89,7 +89,9 @@ class TrainReport(_Report):
     preempted: bool
     initial_val_loss: float | None
     final_train_loss: float | None
-    tokens_per_s: float | None
+    tokens_per_s: float | None = Field(description="Real (non-padding) tokens over the training loop's wall time.")
+    trained_tokens_per_s: float | None = Field(None, description="Tokens with a loss label over the same time.")
+    padding_fraction: float | None = Field(None, description="Padding slots computed over all slots computed.")
     peak_memory_bytes: int
     last_checkpoint_uri: str | None
     preempt_reason: str | None = None

@@ -197,7 +197,7 @@ def log_run_start(tracker: Any, cfg: MemfitConfig, plan: PlanReport, data: DataB
     params.update({f"plan.{k}": v for k, v in plan.model_dump().items()
                    if k not in ("alternatives", "block_kinds", "table_markdown")})
     params.update({"data.digest": data.digest, "data.train_blocks": len(data.train),
-                   "data.val_blocks": len(data.val), "data.source": data.source,
+                   "data.val_blocks": len(data.val), "data.source": data.source, "data.layout": data.packing,
                    **{f"data.{k}": v for k, v in data.stats.items() if k != "format"}})
     tracker.log_params(params)
     tracker.log_text(cfg.to_yaml(), "config/resolved.yaml")
@@ -235,3 +235,25 @@ def plan_table(plan: dict[str, Any], baseline: dict[str, Any] | None) -> str:
             lines += ["", str(baseline["message"])]
     return "\n".join(lines) + "\n"
 
+
+
+def packing_alternatives(cfg: MemfitConfig, device: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """data.packing auto for `memfit plan`: the layout chosen and every candidate's prediction, for the target
+    device (--device, else memory.device, else this machine). A hub model needs only its config and tokenizer."""
+    from memfit.data.cache import resolve_auto_packing
+    from memfit.data.templates import use_configured_template
+    from memfit.memory.estimate import model_config_for
+    from memfit.models.loading import load_tokenizer
+
+    if device:
+        cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"device": device})})
+    texts = load_texts(cfg.data)
+    digest = data_digest(texts)
+    if cfg.model.name_or_path:
+        tokenizer = use_configured_template(load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code),
+                                            cfg.data)
+        hf_config = model_config_for(cfg)
+    else:  # a preset: built on first use (small), as a run would
+        model, tokenizer, _ = load_model_and_tokenizer(cfg, texts, digest)
+        hf_config = model.config
+    return resolve_auto_packing(cfg, texts, digest, tokenizer, hf_config)
