@@ -52,7 +52,7 @@ def load_inputs(cfg: MemfitConfig) -> Inputs:
 def run_identity(cfg: MemfitConfig) -> dict[str, Any]:
     """The settings a resumed run must share with its training checkpoints (max_steps may grow)."""
     t = cfg.train.model_dump(mode="json")
-    for volatile in ("max_steps", "device", "num_threads", "log_every_steps", "eval_batches"):
+    for volatile in ("max_steps", "device", "num_threads", "log_every_steps", "eval_batches", "compile"):
         t.pop(volatile)
     return {"model": cfg.model.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"), "train": t}
 
@@ -148,7 +148,7 @@ def planned_config(cfg: MemfitConfig, plan: PlanReport) -> MemfitConfig:
 
 def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanReport) -> torch.nn.Module:
     """LoRA adapters (on a 16-bit or 4-bit frozen base) when planned, the lean SwiGLU/RMSNorm layers when
-    planned or set, then the planned gradient-checkpointing policy (its one entry point)."""
+    planned or set, then the planned gradient-checkpointing policy (its one entry point), then train.compile."""
     if plan.lora:
         from memfit.models.lora import prepare_lora_model
 
@@ -159,6 +159,10 @@ def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanRe
         log.info("memory.lean_layers: %s", apply_lean_layers(model))
     kinds = plan.block_kinds if plan.policy == "mixed" else None
     apply_policy(model, plan_policy(cfg, plan.policy, plan.every_k, kinds))
+    if cfg.train.compile:  # last: the compiled blocks run what LoRA, lean layers and the policy made of them
+        from memfit.training.compile import compile_blocks
+
+        log.info("train.compile: %d decoder blocks compiled in place", compile_blocks(model, cfg.memory.block_class))
     return model
 
 

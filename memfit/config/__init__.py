@@ -116,6 +116,10 @@ class TrainConfig(_Section):
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads; pinned so CPU runs repeat bitwise. "
                                 "Default: OMP_NUM_THREADS if set, else the cores (split among a node's ranks), max 4.")
+    compile: bool = Field(
+        False, description="torch.compile each decoder block in place (regional compilation): faster steps once "
+        "compiled, at a compile cost on the first step of every process (logged apart as the compile_s metric; a "
+        "resumed run compiles again). Off by default: bench/sft_peers.py --compile measures whether it pays.")
     log_every_steps: int = Field(1, ge=1, description="Metrics are recorded every N optimizer steps.")
     eval_batches: int = Field(8, ge=1, description="Validation micro-batches used for loss/perplexity.")
 

@@ -35,7 +35,7 @@ class LayoutCost:
     def row(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(padding_fraction=round(1 - self.real / max(1, self.slots), 4),
-                 us_per_trained_token=round(self.s_per_trained_token * 1e6, 3),
+                 us_per_trained_token=float(f"{self.s_per_trained_token * 1e6:.4g}"),
                  predicted_trained_tokens_per_s=round(self.trained / self.seconds, 1) if self.seconds else None)
         return d
 
@@ -136,6 +136,6 @@ def format_layouts(chosen: str, rows: list[dict[str, Any]]) -> str:
     lines = [f"\ndata.packing auto: {chosen} (predicted from the data's lengths, the model's shape and kernel)",
              "| packing | padding computed | us / trained token | predicted trained tokens/s |", "|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['packing']} | {r['padding_fraction']:.1%} | {r['us_per_trained_token']:.2f} | "
+        lines.append(f"| {r['packing']} | {r['padding_fraction']:.1%} | {r['us_per_trained_token']:.3g} | "
                      f"{r['predicted_trained_tokens_per_s'] or 0:,.0f} |")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from memfit.models import experts
 from memfit.reports import TrainReport
 from memfit.runtime.env import keep_heap
 from memfit.tracking.base import Tracker
+from memfit.training.compile import CompileClock
 from memfit.training.loss import Batch, LossPolicy, blocks_batch, make_loss, trained_tokens
 from memfit.training.optim import flops_per_token, memory_now, step_metrics
 from memfit.training.schedule import restore_rng, seed_everything
@@ -122,6 +123,7 @@ class Trainer:
         self.flatten = flattened(cfg.data, "position_ids" in data.train_fields, self.attn_implementation)
         self.step_counts = (0, 0, 0)  # the last step's (real, trained, computed) tokens on this rank
         self.flops = cuda_flops(self.model, device, data.train.shape[1], cfg.train.precision)
+        self.compile_clock = CompileClock(cfg.train.compile)
         seed_everything(t.seed + s.seed_offset())
 
     # -- state --------------------------------------------------------------------------------------------
@@ -262,6 +264,9 @@ class Trainer:
                 agreed = self._agree(loss_sum, stop, save_request)
                 dt = time.perf_counter() - t0
                 real, trained, slots = (n * scale for n in self.step_counts)
+                compiled = self.compile_clock.take()
+                if compiled and s.is_main:
+                    self.tracker.log_metrics(compiled, step=self.step)
                 run_tokens, run_trained, run_slots = run_tokens + real, run_trained + trained, run_slots + slots
                 if self.step % t.log_every_steps == 0 or self.step == t.max_steps:
                     memory = memory_now(self.device)
@@ -302,6 +307,7 @@ class Trainer:
                     self.save(blocking=False, force=agreed.save, busy=agreed.busy)  # written off the training thread
         finally:
             release_heap()
+            self.compile_clock.close()
             bar.close()
             steplog.drain()
         # The last step's loss, logged or not (a stop may end on a step that does not log): one read per run.
