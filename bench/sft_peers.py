@@ -13,7 +13,9 @@ same threads. Every peer gets the same encoded examples (memfit's encoder: token
   hf      Trainer, one example a row padded per batch (DataCollatorForSeq2Seq), labels -100 off the answers
 Each run is its own process (peak RSS is that process's ru_maxrss); peers alternate within a round. Trained
 tokens/s = tokens with a loss label the steps consumed / the wall time of the optimizer steps, first step's start
-to last step's end (HF/TRL: a TrainerCallback; memfit: around its loop's optimizer_step calls). Validation loss: every peer's model on the same held-out conversations, each alone.
+to last step's end (HF/TRL: a TrainerCallback; memfit: around its loop's optimizer_step calls). Everyone trains in
+fp32 without gradient checkpointing (TRL 1.16's SFTConfig defaults to bf16 and gradient checkpointing: both set off)
+with the same AdamW (--optim). Validation loss: every peer's model on the same held-out conversations, each alone.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-PEERS = ("trl", "hf", "memfit")
+PEERS = ("trl", "hf", "memfit")  # with --compile, memfit-compile too (train.compile)
 SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
          "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 2048, "rope_theta": 100000.0,
          "tie_word_embeddings": True}
@@ -92,7 +94,9 @@ def _hf_args(args: argparse.Namespace, out: Path, **extra):
                   learning_rate=LR, weight_decay=WD, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
                   lr_scheduler_type="cosine", warmup_steps=WARMUP, max_grad_norm=1.0, logging_steps=10_000,
                   save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0, seed=1234,
-                  disable_tqdm=True)
+                  disable_tqdm=True, optim="adamw_torch_fused" if args.optim == "fused" else "adamw_torch",
+                  # The same job for everyone: TRL 1.16's SFTConfig defaults to bf16 and gradient checkpointing.
+                  bf16=False, fp16=False, gradient_checkpointing=False)
     return {**common, **extra}
 
 
@@ -132,8 +136,8 @@ def run_peer(peer: str, work: Path, args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
     train = json.loads((work / "train.encoded.json").read_text())
-    if peer == "memfit":
-        return _run_memfit(work, args)
+    if peer.startswith("memfit"):
+        return _run_memfit(work, args, compiled=peer == "memfit-compile")
     from datasets import Dataset
 
     model = AutoModelForCausalLM.from_pretrained(str(work / "model"), dtype=torch.float32)
@@ -162,7 +166,7 @@ def run_peer(peer: str, work: Path, args: argparse.Namespace) -> dict:
     return {"trained": seen[0], "seconds": clock.end - clock.start, "val_loss": val_loss(model, work)}
 
 
-def _run_memfit(work: Path, args: argparse.Namespace) -> dict:
+def _run_memfit(work: Path, args: argparse.Namespace, compiled: bool = False) -> dict:
     from memfit import config, run_context
     from memfit.data.cache import cached_data
     from memfit.reports import PlanReport
@@ -177,7 +181,8 @@ def _run_memfit(work: Path, args: argparse.Namespace) -> dict:
         "data.val_fraction=0.01", f"train.batch_size={args.batch}", "train.grad_accum_steps=1",
         f"train.max_steps={args.steps}", f"train.lr={LR}", f"train.warmup_steps={WARMUP}", "train.min_lr_ratio=0",
         f"train.weight_decay={WD}", "train.max_grad_norm=1.0", f"train.num_threads={args.threads}",
-        "train.device=cpu", "train.seed=1234", "tracking.backend=null"])
+        "train.device=cpu", "train.seed=1234", "tracking.backend=null", f"train.compile={compiled}",
+        f"memory.optimizer={'adamw-fused' if args.optim == 'fused' else 'adamw'}"])
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
     inputs = run_context.load_inputs(cfg)
@@ -193,8 +198,11 @@ def _run_memfit(work: Path, args: argparse.Namespace) -> dict:
     for _ in range(args.steps):
         trainer.optimizer_step()
     seconds = time.perf_counter() - t0
-    return {"trained": trainer.trained_tokens_seen, "seconds": seconds, "val_loss": val_loss(model, work),
-            "packing": data.packing}
+    trainer.compile_clock.close()
+    # train.compile: the compile time (torch.compile's own callbacks) is reported apart, not in the step rate.
+    compile_s = trainer.compile_clock.total
+    return {"trained": trainer.trained_tokens_seen, "seconds": seconds - compile_s, "val_loss": val_loss(model, work),
+            "packing": data.packing, "compile_s": compile_s}
 
 
 def main() -> None:
@@ -210,6 +218,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=0, help="decoder blocks (0: SmolLM2's 30)")
     p.add_argument("--work", default=str(REPO / "runs" / "sft_peers"))
     p.add_argument("--out", default=str(REPO / "docs" / "sft_peers"))
+    p.add_argument("--optim", choices=("fused", "plain"), default="fused",
+                   help="AdamW for every peer: torch's fused kernel (the HF Trainer's default) or the plain loop")
+    p.add_argument("--compile", action="store_true", help="also memfit with train.compile (compile time apart)")
     p.add_argument("--peer", help=argparse.SUPPRESS)
     args = p.parse_args()
     work = Path(args.work)
@@ -220,11 +231,12 @@ def main() -> None:
         return
     work.mkdir(parents=True, exist_ok=True)
     prepare(work, args)
-    results: dict[str, list[dict]] = {peer: [] for peer in PEERS}
+    peers = (*PEERS, "memfit-compile") if args.compile else PEERS
+    results: dict[str, list[dict]] = {peer: [] for peer in peers}
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true"}
     for r in range(args.rounds):
-        order = PEERS if r % 2 == 0 else tuple(reversed(PEERS))  # alternate who runs first (warm caches, load)
+        order = peers if r % 2 == 0 else tuple(reversed(peers))  # alternate who runs first (warm caches, load)
         for peer in order:
             cmd = [sys.executable, __file__, "--peer", peer, *sys.argv[1:]]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -247,7 +259,8 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
              f"{args.rounds} rounds; memfit packing: {results['memfit'][0].get('packing')}", "",
              "| peer | trained tokens/s (median) | x TRL (min-max over rounds) | peak RSS GiB | x TRL | val loss |",
              "|---|---|---|---|---|---|"]
-    for p in PEERS:
+    peers = tuple(results)
+    for p in peers:
         lo, hi = min(rate[p]) / med["trl"], max(rate[p]) / med["trl"]
         lines.append(f"| {p} | {med[p]:,.1f} | {med[p] / med['trl']:.2f} ({lo:.2f}-{hi:.2f}) | "
                      f"{rss[p] / 2**30:.2f} | {rss[p] / rss['trl']:.2f} | {val[p]:.4f} |")
@@ -263,9 +276,9 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    axes[0].bar(PEERS, [med[p] / med["trl"] for p in PEERS])
+    axes[0].bar(peers, [med[p] / med["trl"] for p in peers])
     axes[0].set_title("trained tokens/s (x TRL)")
-    axes[1].bar(PEERS, [rss[p] / rss["trl"] for p in PEERS])
+    axes[1].bar(peers, [rss[p] / rss["trl"] for p in peers])
     axes[1].set_title("peak RSS (x TRL)")
     for ax in axes:
         ax.axhline(1.0, color="grey", lw=0.8)
