@@ -368,6 +368,8 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
     else:
         typer.echo(result.reason)
         typer.echo(plan_table_markdown(result))
+        if "evaluation" in out:
+            typer.echo(out["evaluation"]["line"])
         if "packing" in out:
             typer.echo(format_layouts(out["packing"], out["packing_candidates"]))
         if "distributed" in out and "strategies" in out["distributed"]:

@@ -61,6 +61,8 @@ class PlanReport(_Report):
     budget_source: str | None = None
     alternatives: list[dict[str, Any]] = Field(default_factory=list, description="Other candidates estimated.")
     table_markdown: str | None = None
+    evaluation: dict[str, Any] | None = Field(None, description="Phase 5's predicted bytes on the device (fp32 "
+                                              "weights + its largest pass) and whether they fit the limit.")
 
     strategy: str = Field("single", description="How ranks divide the work: single, ddp, fsdp2, deepspeed_zero2/3.")
     world_size: int = Field(1, description="Training processes in all (distributed.nproc_per_node x nnodes).")

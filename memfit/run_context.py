@@ -199,7 +199,7 @@ def log_run_start(tracker: Any, cfg: MemfitConfig, plan: PlanReport, data: DataB
                    probe_report: ProbeReport | None) -> None:
     params = cfg.flat()
     params.update({f"plan.{k}": v for k, v in plan.model_dump().items()
-                   if k not in ("alternatives", "block_kinds", "table_markdown")})
+                   if k not in ("alternatives", "block_kinds", "table_markdown", "evaluation")})
     params.update({"data.digest": data.digest, "data.train_blocks": len(data.train),
                    "data.val_blocks": len(data.val), "data.source": data.source, "data.layout": data.packing,
                    **{f"data.{k}": v for k, v in data.stats.items() if k != "format"}})
