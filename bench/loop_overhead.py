@@ -95,7 +95,7 @@ def _inputs(cfg):
 
     torch.set_num_threads(THREADS)
     inputs = load_inputs(cfg)
-    return inputs.model, cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
+    return inputs.model, cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer, inputs.model.config)
 
 
 def _metrics(loss: float, lr: float, norm: float, tokens: int, dt: float) -> dict[str, float]:

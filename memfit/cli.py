@@ -356,6 +356,11 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
             from memfit.memory.search import per_gpu_report
 
             out["distributed"] = per_gpu_report(cfg, device, budget_gb)
+        if cfg.data.packing == "auto":  # the layouts weighed, like the stacks: predicted time per trained token
+            from memfit.data.layout import format_layouts
+            from memfit.run_context import packing_alternatives
+
+            out["packing"], out["packing_candidates"] = packing_alternatives(cfg, device)
     except MemfitError as err:
         _fail(err)
     if as_json:
@@ -363,12 +368,14 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
     else:
         typer.echo(result.reason)
         typer.echo(plan_table_markdown(result))
+        if "evaluation" in out:
+            typer.echo(out["evaluation"]["line"])
+        if "packing" in out:
+            typer.echo(format_layouts(out["packing"], out["packing_candidates"]))
         if "distributed" in out and "strategies" in out["distributed"]:
-            from memfit.memory.sharding import format_table
+            from memfit.memory.sharding import per_gpu_text
 
-            d = out["distributed"]
-            typer.echo(f"\nper GPU on {d['world_size']} ranks: {d['strategy']} ({d['reason']})")
-            typer.echo(format_table(list(d["strategies"].values())))
+            typer.echo(per_gpu_text(out["distributed"]))
     # Several ranks: what must fit is one GPU's share under the strategy, not a single-process replica.
     fits = out["distributed"].get("fits", False) if "distributed" in out else out["fits"]
     if not fits:

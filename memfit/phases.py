@@ -111,6 +111,8 @@ def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
         report = _plan(cfg, probe_report, profile, budget, source, measured)
         store_plan(cached, report)
     log.info("optimisation stack: %s (%s)", report.description, report.reason)
+    if report.evaluation:  # phase 5 on the same device: said now, not after hours of training
+        (log.info if report.evaluation["fits"] else log.warning)("%s", report.evaluation["line"])
     log.info("memory plan candidates:\n%s", report.table_markdown)
     from memfit.distributed.planning import plan_distributed
 
@@ -137,6 +139,12 @@ def _plan(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: in
         raise ConfigError(f"train.precision={chosen.stack.precision}: {device['name']} has no bf16; use fp16-mixed")
     policy = plan_policy(cfg, chosen.policy, chosen.every_k, chosen.kinds)
     row = plan.row(chosen)
+    from memfit.memory.estimate import model_config_for
+    from memfit.memory.evaluation import evaluation_line, evaluation_memory
+
+    mem = evaluation_memory(_hf_config(probe_report.architecture) or model_config_for(cfg), chosen.n_params, cfg)
+    evaluation = {**mem.to_dict(), "fits": plan.limit_bytes is None or mem.peak <= plan.limit_bytes,
+                  "line": evaluation_line(mem, plan.limit_bytes, device.get("name") or device["type"])}
     return PlanReport(policy=chosen.policy, every_k=chosen.every_k or cfg.memory.every_k,
                       precision=chosen.stack.precision, micro_batch_size=chosen.stack.micro_batch_size,
                       grad_accum_steps=chosen.stack.grad_accum_steps, reason=plan.reason,
@@ -147,7 +155,7 @@ def _plan(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: in
                       fits=plan.fits, predicted_peak_bytes=chosen.peak_bytes,
                       predicted_overhead=row["predicted_overhead"], budget_bytes=budget, budget_source=source,
                       alternatives=[plan.row(e) for e in plan.table if e is not chosen],
-                      table_markdown=plan_table_markdown(plan))
+                      table_markdown=plan_table_markdown(plan), evaluation=evaluation)
 
 
 # -- phase 4, run before phase 3 ---------------------------------------------------------------------
@@ -201,7 +209,7 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
     inputs = load_inputs(cfg)
-    data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
+    data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer, inputs.model.config)
     model = build_training_model(cfg, inputs.model, plan)
     tracker = make_tracker(cfg.tracking, prestarted=True)
     run_id = tracker.start_run(cfg.run.name, run_id=resume.mlflow_run_id, tags=run_tags(device))
@@ -271,7 +279,7 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
     inputs = load_inputs(cfg)
-    data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
+    data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer, inputs.model.config)
     manager = checkpoint_manager(cfg)
     dest = staging_dir(cfg, "export-src")
     shutil.rmtree(dest, ignore_errors=True)

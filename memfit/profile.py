@@ -81,7 +81,7 @@ def profile(cfg: MemfitConfig, out_dir: str | Path | None = None, steps: int = 3
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
     inputs = run_context.load_inputs(cfg)
-    data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
+    data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer, inputs.model.config)
     cuda = device.type == "cuda"
     workload = {"model_source": cfg.model.name_or_path or f"preset:{cfg.model.preset}",
                 "n_params": sum(p.numel() for p in inputs.model.parameters()), "device": str(device),

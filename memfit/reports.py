@@ -61,6 +61,8 @@ class PlanReport(_Report):
     budget_source: str | None = None
     alternatives: list[dict[str, Any]] = Field(default_factory=list, description="Other candidates estimated.")
     table_markdown: str | None = None
+    evaluation: dict[str, Any] | None = Field(None, description="Phase 5's predicted bytes on the device (fp32 "
+                                              "weights + its largest pass) and whether they fit the limit.")
 
     strategy: str = Field("single", description="How ranks divide the work: single, ddp, fsdp2, deepspeed_zero2/3.")
     world_size: int = Field(1, description="Training processes in all (distributed.nproc_per_node x nnodes).")
@@ -89,7 +91,9 @@ class TrainReport(_Report):
     preempted: bool
     initial_val_loss: float | None
     final_train_loss: float | None
-    tokens_per_s: float | None
+    tokens_per_s: float | None = Field(description="Real (non-padding) tokens over the training loop's wall time.")
+    trained_tokens_per_s: float | None = Field(None, description="Tokens with a loss label over the same time.")
+    padding_fraction: float | None = Field(None, description="Padding slots computed over all slots computed.")
     peak_memory_bytes: int
     last_checkpoint_uri: str | None
     preempt_reason: str | None = None

@@ -52,7 +52,7 @@ def load_inputs(cfg: MemfitConfig) -> Inputs:
 def run_identity(cfg: MemfitConfig) -> dict[str, Any]:
     """The settings a resumed run must share with its training checkpoints (max_steps may grow)."""
     t = cfg.train.model_dump(mode="json")
-    for volatile in ("max_steps", "device", "num_threads", "log_every_steps", "eval_batches"):
+    for volatile in ("max_steps", "device", "num_threads", "log_every_steps", "eval_batches", "compile"):
         t.pop(volatile)
     out = {"model": cfg.model.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"), "train": t}
     if t["objective"] == "sft":  # as before objectives existed, so earlier SFT checkpoints still resume
@@ -155,7 +155,7 @@ def planned_config(cfg: MemfitConfig, plan: PlanReport) -> MemfitConfig:
 
 def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanReport) -> torch.nn.Module:
     """LoRA adapters (on a 16-bit or 4-bit frozen base) when planned, the lean SwiGLU/RMSNorm layers when
-    planned or set, then the planned gradient-checkpointing policy (its one entry point)."""
+    planned or set, then the planned gradient-checkpointing policy (its one entry point), then train.compile."""
     if plan.lora:
         from memfit.models.lora import prepare_lora_model
 
@@ -166,6 +166,10 @@ def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanRe
         log.info("memory.lean_layers: %s", apply_lean_layers(model))
     kinds = plan.block_kinds if plan.policy == "mixed" else None
     apply_policy(model, plan_policy(cfg, plan.policy, plan.every_k, kinds))
+    if cfg.train.compile:  # last: the compiled blocks run what LoRA, lean layers and the policy made of them
+        from memfit.training.compile import compile_blocks
+
+        log.info("train.compile: %d decoder blocks compiled in place", compile_blocks(model, cfg.memory.block_class))
     return model
 
 
@@ -202,9 +206,9 @@ def log_run_start(tracker: Any, cfg: MemfitConfig, plan: PlanReport, data: DataB
                    probe_report: ProbeReport | None) -> None:
     params = cfg.flat()
     params.update({f"plan.{k}": v for k, v in plan.model_dump().items()
-                   if k not in ("alternatives", "block_kinds", "table_markdown")})
+                   if k not in ("alternatives", "block_kinds", "table_markdown", "evaluation")})
     params.update({"data.digest": data.digest, "data.train_blocks": len(data.train),
-                   "data.val_blocks": len(data.val), "data.source": data.source,
+                   "data.val_blocks": len(data.val), "data.source": data.source, "data.layout": data.packing,
                    **{f"data.{k}": v for k, v in data.stats.items() if k != "format"}})
     tracker.log_params(params)
     tracker.log_text(cfg.to_yaml(), "config/resolved.yaml")
@@ -242,3 +246,27 @@ def plan_table(plan: dict[str, Any], baseline: dict[str, Any] | None) -> str:
             lines += ["", str(baseline["message"])]
     return "\n".join(lines) + "\n"
 
+
+
+def packing_alternatives(cfg: MemfitConfig, device: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """data.packing auto for `memfit plan`: the layout chosen and every candidate's prediction, for the target
+    device (--device, else memory.device, else this machine). A hub model needs only its config and tokenizer."""
+    from memfit.data.cache import resolve_auto_packing
+    from memfit.data.templates import use_configured_template
+    from memfit.memory.estimate import model_config_for
+    from memfit.models.loading import load_tokenizer
+
+    if cfg.train.objective == "dpo":  # preference pairs: one padded pair a row, nothing to weigh
+        return "none", []
+    if device:
+        cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"device": device})})
+    texts = load_texts(cfg.data)
+    digest = data_digest(texts)
+    if cfg.model.name_or_path:
+        tokenizer = use_configured_template(load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code),
+                                            cfg.data)
+        hf_config = model_config_for(cfg)
+    else:  # a preset: built on first use (small), as a run would
+        model, tokenizer, _ = load_model_and_tokenizer(cfg, texts, digest)
+        hf_config = model.config
+    return resolve_auto_packing(cfg, texts, digest, tokenizer, hf_config)

@@ -80,15 +80,22 @@ class DataConfig(_Section):
         "all", description="Tokens the loss trains on: all; completion (the completion of prompt_completion "
         "records, the last assistant turn of messages); assistant (every assistant turn, from the template's "
         "generation markers, or rendered turn by turn when it has none). Labels are -100 elsewhere.")
-    packing: Literal["blocks", "padding_free", "none"] = Field(
+    packing: Literal["blocks", "padding_free", "none", "auto"] = Field(
         "blocks", description="blocks: all examples concatenated and cut into seq_len blocks (attention crosses "
         "examples); padding_free: whole examples packed up to seq_len tokens a row, position_ids restarting and "
-        "no attention across examples; none: one example a row, padded per batch with an attention mask.")
+        "no attention across examples; none: one example a row, padded per batch with an attention mask; auto: "
+        "the one predicted fastest per trained token on the target device (memory.device, else this machine) from "
+        "the data's lengths, the model's shape and its attention kernel (blocks only for plain text trained on "
+        "all tokens). The choice and the alternatives are logged and shown by memfit plan.")
     flatten: bool | Literal["auto"] = Field(
         "auto", description="padding_free: join each micro-batch's rows into one sequence without their tail "
         "padding, so no padding is computed (position_ids keep the examples apart). auto: true where attention "
         "reads the boundaries from position_ids (flash attention, CUDA), false elsewhere: on SDPA/eager a "
         "block-diagonal mask over the joined sequence costs micro-batch x the attention of per-row masks.")
+    group_by_length: bool = Field(
+        True, description="packing none: each micro-batch drawn from examples of similar length (a shuffled "
+        "window of 50 micro-batches sorted by length, as the HF Trainer's group_by_length), so little padding is "
+        "computed; false: a plain shuffle.")
     overlong: Literal["truncate", "drop", "error"] = Field(
         "truncate", description="padding_free/none: what happens to an example longer than seq_len (counts "
         "are logged).")
@@ -121,6 +128,10 @@ class TrainConfig(_Section):
     num_threads: int | None = Field(
         None, ge=1, description="torch CPU threads; pinned so CPU runs repeat bitwise. "
                                 "Default: OMP_NUM_THREADS if set, else the cores (split among a node's ranks), max 4.")
+    compile: bool = Field(
+        False, description="torch.compile each decoder block in place (regional compilation): faster steps once "
+        "compiled, at a compile cost on the first step of every process (logged apart as the compile_s metric; a "
+        "resumed run compiles again). Off by default: bench/sft_peers.py --compile measures whether it pays.")
     log_every_steps: int = Field(1, ge=1, description="Metrics are recorded every N optimizer steps.")
     eval_batches: int = Field(8, ge=1, description="Validation micro-batches used for loss/perplexity.")
 

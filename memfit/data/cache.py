@@ -39,8 +39,14 @@ def cache_key(cfg: MemfitConfig, digest: str, tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def cached_data(cfg: MemfitConfig, texts: list[str], digest: str, tokenizer: Any) -> DataBundle:
-    """prepare_data, reused across phases and runs when nothing that shapes the blocks changed."""
+def cached_data(cfg: MemfitConfig, texts: list[str], digest: str, tokenizer: Any, model_config: Any = None
+                ) -> DataBundle:
+    """prepare_data, reused across phases and runs when nothing that shapes the blocks changed. data.packing auto
+    is resolved first (it needs the model's config), so the key and the bundle name the layout chosen."""
+    if cfg.data.packing == "auto":  # preference pairs are always one padded pair a row: "none"
+        packing = "none" if cfg.train.objective == "dpo" else resolve_auto_packing(cfg, texts, digest, tokenizer,
+                                                                                   model_config)[0]
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"packing": packing})})
     path = Path(cfg.run.work_dir) / "data-cache" / f"{cache_key(cfg, digest, tokenizer)}.safetensors"
     if path.is_file():
         try:
@@ -68,3 +74,50 @@ def cached_data(cfg: MemfitConfig, texts: list[str], digest: str, tokenizer: Any
     with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     return bundle
+
+
+def resolve_auto_packing(cfg: MemfitConfig, texts: Any, digest: str, tokenizer: Any, model_config: Any
+                         ) -> tuple[str, list[dict[str, Any]]]:
+    """data.packing auto: (the layout predicted fastest per trained token on memory.device, else the device this
+    run is on; every candidate's prediction as rows). Kept beside the data cache, keyed on what the prediction
+    reads, so every phase and rank of a run picks the same layout without encoding the data again."""
+    from memfit.data.layout import resolve_packing
+    from memfit.errors import ConfigError
+
+    if model_config is None:
+        raise ConfigError("data.packing: auto needs the model's config to predict step times; set data.packing "
+                          "to blocks, padding_free or none")
+    profile = _target_profile(cfg)
+    attn = str(getattr(model_config, "_attn_implementation", None) or "sdpa")
+    what = {"data": cache_key(cfg, digest, tokenizer), "device": profile.name, "attn": attn,
+            "micro_batch": cfg.train.micro_batch_size, "precision": cfg.train.precision, "seed": cfg.train.seed,
+            "flatten": cfg.data.flatten, "group_by_length": cfg.data.group_by_length, "version": 1,
+            "model": {k: getattr(model_config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
+                                                                  "intermediate_size", "vocab_size")}}
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    path = Path(cfg.run.work_dir) / "data-cache" / f"layout-{key}.json"
+    try:
+        saved = json.loads(path.read_text())
+        return saved["packing"], saved["candidates"]
+    except (OSError, ValueError, KeyError):
+        pass
+    from memfit.data.formats import Corpus, load_texts
+
+    corpus = texts if isinstance(texts, Corpus) else load_texts(cfg.data) if texts is None else Corpus(list(texts))
+    packing, costs = resolve_packing(cfg, corpus, tokenizer, model_config, profile, attn)
+    rows = [c.row() for c in costs]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"packing": packing, "device": profile.name, "candidates": rows})
+    return packing, rows
+
+
+def _target_profile(cfg: MemfitConfig) -> Any:
+    import torch
+
+    from memfit.config.devices import cpu_profile, get_profile, profile_for_report
+
+    if cfg.memory.device:
+        return get_profile(cfg.memory.device, "memory.device")
+    if cfg.train.device != "cpu" and torch.cuda.is_available():
+        return profile_for_report({"type": "cuda", "name": torch.cuda.get_device_name()})
+    return cpu_profile()

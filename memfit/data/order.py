@@ -8,17 +8,33 @@ import torch
 
 from memfit.errors import CheckpointError
 
+MEGABATCH = 50  # micro-batches sorted together by length (the HF Trainer's group_by_length uses 50 too)
+
+
+def grouped_permutation(perm: list[int], lengths: list[int], batch_size: int) -> list[int]:
+    """Pure: a shuffled order regrouped so each micro-batch holds examples of similar length (little padding),
+    still random at the scale of MEGABATCH micro-batches: each window of the permutation sorted longest first,
+    so the first micro-batch of a window is its longest (an out-of-memory shows on the first step, not late)."""
+    window = MEGABATCH * batch_size
+    out: list[int] = []
+    for start in range(0, len(perm), window):
+        out.extend(sorted(perm[start:start + window], key=lambda i: (-lengths[i], i)))
+    return out
+
 
 class BatchOrder:
-    """Which training blocks come next; its state_dict resumes the order at the exact batch."""
+    """Which training blocks come next; its state_dict resumes the order at the exact batch.
 
-    def __init__(self, n_items: int, batch_size: int, seed: int) -> None:
+    `lengths` (one padded example a row): micro-batches are grouped by length (grouped_permutation)."""
+
+    def __init__(self, n_items: int, batch_size: int, seed: int, lengths: list[int] | None = None) -> None:
         if n_items < 1 or batch_size < 1:
             raise ValueError(f"BatchOrder needs n_items >= 1 and batch_size >= 1 "
                              f"(got {n_items}, {batch_size})")
         self.n_items = n_items
         self.batch_size = batch_size
         self.seed = seed
+        self.lengths = lengths
         self._epoch = 0
         self._index = 0  # position inside the current epoch's permutation
         self._perm: list[int] | None = None
@@ -33,6 +49,8 @@ class BatchOrder:
         if self._perm is None:
             gen = torch.Generator().manual_seed(self.seed + self._epoch)
             self._perm = torch.randperm(self.n_items, generator=gen).tolist()
+            if self.lengths is not None:
+                self._perm = grouped_permutation(self._perm, self.lengths, self.batch_size)
         return self._perm
 
     def next_indices(self) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from memfit.data.masking import IGNORE, Encoded
@@ -150,3 +152,9 @@ def row_real_tokens(input_ids: torch.Tensor, fields: dict[str, torch.Tensor], pa
         out.append(tail if pad and tail > 0 else width)
     return out
 
+
+def flattened(data_cfg: Any, packed: bool, attn_implementation: str) -> bool:
+    """Pure: does a padding-free micro-batch run as one joined sequence (data.flatten)?"""
+    if not packed or data_cfg.flatten is False:
+        return False
+    return data_cfg.flatten is True or attn_implementation.startswith("flash")

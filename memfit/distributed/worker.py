@@ -61,7 +61,7 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event, save_req
     if plan.strategy not in (*TORCH_STRATEGIES, *DEEPSPEED_STRATEGIES):
         raise ConfigError(f"distributed.strategy: the plan chose {plan.strategy!r}, not a multi-process strategy")
     inputs = run_context.load_inputs(cfg)
-    data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer)
+    data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer, inputs.model.config)
     model = run_context.build_training_model(cfg, inputs.model, plan)
     probe = ProbeReport(**job.probe) if job.probe else None
     tracker: Any = NullTracker()

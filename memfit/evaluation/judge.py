@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import shutil
 import time
@@ -14,6 +16,7 @@ from memfit.evaluation.tasks import TaskScores, log_scores, run_tasks
 
 log = logging.getLogger("memfit.evaluation.judge")
 CHAMPION = "champion/"  # the champion's scores on the same data, logged in the challenger's run
+KEY_TAG = "memfit.eval_key"  # the run's eval_key: a later challenger reuses these scores when its key is equal
 
 
 @dataclass
@@ -47,22 +50,71 @@ def judge_export(cfg: Any, hf_dir: str | Path, device: str) -> Judged:
     return judged
 
 
-def champion_export(cfg: Any, run_id: str, dest: Path) -> Path | None:
-    """The champion's SafeTensors folder (downloaded, checksums verified), or None: no champion, comparing off, or
-    the champion is this very run (a rerun of a finished run)."""
+def eval_key(eval_cfg: Any) -> str:
+    """What decides the scores besides the model: the tasks and every file under eval.task_paths (their YAMLs and
+    local data), the sets' files and settings, the harness's settings and version, memfit's generation settings.
+    A champion judged under the same key is not judged again; any change to a set or task file changes it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def files(folder: str) -> list[tuple[str, str]]:
+        root = Path(folder).expanduser()
+        return [(str(p.relative_to(root)), _digest(p)) for p in sorted(root.rglob("*")) if p.is_file()]
+
+    try:
+        harness = version("lm_eval")
+    except PackageNotFoundError:
+        harness = None
+    parts = {"tasks": eval_cfg.tasks, "task_files": [files(f) for f in eval_cfg.task_paths],
+             "sets": [{**s.model_dump(mode="json"), "path": _digest(Path(s.path).expanduser())}
+                      for s in eval_cfg.sets],
+             "limit": eval_cfg.limit, "num_fewshot": eval_cfg.num_fewshot, "batch_size": eval_cfg.batch_size,
+             "max_new_tokens": eval_cfg.max_new_tokens, "harness": harness, "format": 1}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
+
+
+def current(cfg: Any, run_id: str) -> Any:
+    """The champion to judge against (registry's alias), or None: none yet, comparing off, or this very run."""
     if not (cfg.eval.compare_champion and cfg.registry.enabled):
         return None
     from mlflow import MlflowClient
 
-    from memfit.release.registry import current_champion, fetch_champion
+    from memfit.release.registry import current_champion
 
     uri = cfg.tracking.resolved_uri()
-    name = cfg.registry.model_name or cfg.run.name
-    champion = current_champion(MlflowClient(tracking_uri=uri, registry_uri=uri), name, cfg.registry.alias)
-    if champion is None or champion.run_id == run_id:
+    champion = current_champion(MlflowClient(tracking_uri=uri, registry_uri=uri),
+                                cfg.registry.model_name or cfg.run.name, cfg.registry.alias)
+    return None if champion is None or champion.run_id == run_id else champion
+
+
+def recorded_scores(cfg: Any, champion: Any, key: str) -> Judged | None:
+    """The champion's scores as its own run recorded them, when judged under the same eval key (its metrics and its
+    sets' per-example rows), else None: judge it again."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    uri = cfg.tracking.resolved_uri()
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        run = client.get_run(champion.run_id)
+        if run.data.tags.get(KEY_TAG) != key:
+            return None
+        metrics = {k: v for k, v in run.data.metrics.items() if k.startswith("eval/")}
+        sets = []
+        for s in cfg.eval.sets:
+            table = json.loads(Path(client.download_artifacts(run.info.run_id, f"eval/sets/{s.name}.json"))
+                               .read_text())
+            sets.append(SetResult(s.name, [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]))
+    except (MlflowException, OSError, ValueError, KeyError) as err:
+        log.info("the champion's recorded scores are unreadable (%s): judging it again", err)
         return None
-    shutil.rmtree(dest, ignore_errors=True)
-    return fetch_champion(uri, name, dest, cfg.registry.alias)
+    judged = Judged(tasks=TaskScores(metrics={k: v for k, v in metrics.items()
+                                              if k.split("/")[1] in cfg.eval.tasks}), sets=sets)
+    missing = [t for t in cfg.eval.tasks if not any(k.startswith(f"eval/{t}/") for k in judged.tasks.metrics)]
+    return None if missing else judged
 
 
 def side_by_side(ours: SetResult, theirs: SetResult) -> dict[str, list[Any]]:
@@ -87,9 +139,23 @@ def judge(cfg: Any, hf_dir: str, device: str, tracker: Any, step: int, work: Pat
     for s in ours.sets:
         tracker.log_table({k: [r[k] for r in s.rows] for k in s.rows[0]}, f"eval/sets/{s.name}.json")
     metrics = ours.metrics
-    champion_dir = champion_export(cfg, run_id, work / "champion")
-    if champion_dir is not None:
-        theirs = judge_export(cfg, champion_dir, device)
+    key = eval_key(cfg.eval)
+    tracker.set_tags({KEY_TAG: key})
+    champion = current(cfg, run_id)
+    theirs = recorded_scores(cfg, champion, key) if champion is not None else None
+    if theirs is not None:
+        log.info("the champion (v%s) was judged on the same tasks and sets (eval key %s): its recorded scores are "
+                 "used", champion.version, key)
+        tracker.set_tags({"memfit.champion_scores": f"recorded by run {champion.run_id}"})
+    elif champion is not None:
+        from memfit.release.registry import fetch_champion
+
+        dest = work / "champion"
+        shutil.rmtree(dest, ignore_errors=True)
+        theirs = judge_export(cfg, fetch_champion(cfg.tracking.resolved_uri(), cfg.registry.model_name or cfg.run.name,
+                                                  dest, cfg.registry.alias), device)
+        tracker.set_tags({"memfit.champion_scores": f"judged again (v{champion.version})"})
+    if theirs is not None:
         metrics.update({CHAMPION + k: v for k, v in theirs.metrics.items()})
         for mine, other in zip(ours.sets, theirs.sets, strict=True):
             tracker.log_table(side_by_side(mine, other), f"eval/compare/{mine.name}.json")

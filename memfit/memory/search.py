@@ -23,6 +23,7 @@ from memfit.memory.candidates import (
 )
 from memfit.memory.compose import Estimate, Stack
 from memfit.memory.estimate import Estimator, model_config_for, n_blocks_of
+from memfit.memory.evaluation import evaluation_line, evaluation_memory
 from memfit.memory.plan import MeasuredPeak, Plan, assignments, choose, measured_reason
 from memfit.memory.policies import make_policy
 from memfit.memory.tracker import total
@@ -253,6 +254,10 @@ def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = N
     plan = plan_for(cfg, profile, budget, source, measured=measured)
     out = plan.to_dict()
     out["device"] = profile.name
+    if plan.table:
+        mem = evaluation_memory(model_config_for(cfg), plan.table[0].n_params, cfg)
+        out["evaluation"] = {**mem.to_dict(), "fits": plan.limit_bytes is None or mem.peak <= plan.limit_bytes,
+                             "line": evaluation_line(mem, plan.limit_bytes, profile.name)}
     return plan, out
 
 

@@ -153,3 +153,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r[k] / GB:>9.2f}" for k in ("params", "grads", "optim", "activations"))
             + f"{r['transient'] / GB:>10.2f}{r['total'] / GB:>12.2f}{r['cpu_offload'] / GB:>8.2f}")
     return "\n".join(lines)
+
+
+def per_gpu_text(d: dict[str, Any]) -> str:
+    """`memfit plan` with several ranks: the strategy chosen and every strategy's share per GPU."""
+    return (f"\nper GPU on {d['world_size']} ranks: {d['strategy']} ({d['reason']})\n"
+            + format_table(list(d["strategies"].values())))

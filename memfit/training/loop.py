@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from memfit.config import MemfitConfig
 from memfit.data.order import BatchOrder
-from memfit.data.packing import row_real_tokens
+from memfit.data.packing import flattened, row_real_tokens
 from memfit.data.pairs import with_rejected_side
 from memfit.data.prepare import DataBundle
 from memfit.memory.monitor import MemoryMonitor
@@ -28,6 +28,7 @@ from memfit.models import experts
 from memfit.reports import TrainReport
 from memfit.runtime.env import keep_heap
 from memfit.tracking.base import Tracker
+from memfit.training.compile import CompileClock
 from memfit.training.loss import Batch, LossPolicy, blocks_batch, make_loss, trained_tokens
 from memfit.training.objective import make_objective
 from memfit.training.optim import cuda_flops, memory_now, step_metrics
@@ -106,7 +107,6 @@ class Trainer:
         s = self.strategy
         self.model, self.optimizer, self.scheduler, self.scaler = s.model, s.optimizer, s.scheduler, s.scaler
         t = cfg.train
-        self.order = BatchOrder(len(data.train), t.micro_batch_size, t.seed)
         self.step = 0
         self.tokens_seen = 0
         self.initial_val_loss: float | None = None
@@ -122,9 +122,13 @@ class Trainer:
         self._row_real = row_real_tokens(data.train, data.train_fields, data.stats.get("pad_id"))
         self._row_trained, self._row_real = with_rejected_side(data.train_fields, self._row_trained, self._row_real)
         self._cut_to_longest = "attention_mask" in data.train_fields  # blocks_batch cuts such batches
+        # One padded example a row: micro-batches of similar lengths, so cutting to the longest leaves little padding.
+        grouped = self._cut_to_longest and cfg.data.group_by_length
+        self.order = BatchOrder(len(data.train), t.micro_batch_size, t.seed, self._row_real if grouped else None)
         self.flatten = flattened(cfg.data, "position_ids" in data.train_fields, self.attn_implementation)
         self.step_counts = (0, 0, 0)  # the last step's (real, trained, computed) tokens on this rank
         self.flops = cuda_flops(self.model, device, data.train.shape[1], cfg.train.precision)
+        self.compile_clock = CompileClock(cfg.train.compile)
         seed_everything(t.seed + s.seed_offset())
 
     # -- state --------------------------------------------------------------------------------------------
@@ -252,6 +256,7 @@ class Trainer:
         scale = s.world_size
         steplog, agreed = StepLog(self.tracker, self.device, s.world_size), None
         peak_mem, run_tokens, preempted, memory_stop = 0, 0, False, False
+        run_trained = run_slots = 0
         run_t0 = time.perf_counter()
         bar = tqdm(total=t.max_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                    disable=None if s.is_main else True, leave=False)
@@ -267,7 +272,10 @@ class Trainer:
                 agreed = self._agree(loss_sum, stop, save_request)
                 dt = time.perf_counter() - t0
                 real, trained, slots = (n * scale for n in self.step_counts)
-                run_tokens += real
+                compiled = self.compile_clock.take()
+                if compiled and s.is_main:
+                    self.tracker.log_metrics(compiled, step=self.step)
+                run_tokens, run_trained, run_slots = run_tokens + real, run_trained + trained, run_slots + slots
                 if self.step % t.log_every_steps == 0 or self.step == t.max_steps:
                     memory = memory_now(self.device)
                     peak_mem = max(peak_mem, memory[0])
@@ -309,18 +317,22 @@ class Trainer:
                     self.save(blocking=False, force=agreed.save, busy=agreed.busy)  # written off the training thread
         finally:
             release_heap()
+            self.compile_clock.close()
             bar.close()
             steplog.drain()
         if hasattr(self.loss, "measuring") and self.step > start:  # dpo: the held-out pairs after training
             self.evaluate()
         # The last step's loss, logged or not (a stop may end on a step that does not log): one read per run.
         last_loss = float(agreed.loss) / s.world_size if agreed is not None else None
+        seconds = time.perf_counter() - run_t0
         self._save_last(stop if preempted else None)
         return TrainReport(
             mlflow_run_id=self.tracker.run_id or "", start_step=start, steps=self.step,
             resumed_from=self.resumed_from, preempted=preempted, initial_val_loss=self.initial_val_loss,
-            final_train_loss=last_loss, tokens_per_s=(run_tokens / (time.perf_counter() - run_t0)) if run_tokens
-            else None, peak_memory_bytes=peak_mem, last_checkpoint_uri=self.checkpoints.latest_uri(),
+            final_train_loss=last_loss, tokens_per_s=run_tokens / seconds if run_tokens else None,
+            trained_tokens_per_s=run_trained / seconds if run_tokens else None,
+            padding_fraction=1.0 - run_tokens / run_slots if run_slots else None, peak_memory_bytes=peak_mem,
+            last_checkpoint_uri=self.checkpoints.latest_uri(),
             preempt_reason=getattr(stop, "reason", None) if preempted else None,
             checkpoint_stats=self.checkpoints.stats.to_dict(), memory_limit=self._memory_message() if memory_stop
             else None, memory_limit_reading=self._memory_reading() if memory_stop else None)
@@ -357,11 +369,6 @@ class Trainer:
                 "the figures): stopped with a training checkpoint instead of running out of memory")
 
 
-def flattened(data_cfg: Any, packed: bool, attn_implementation: str) -> bool:
-    """Pure: does a padding-free micro-batch run as one joined sequence (data.flatten)?"""
-    if not packed or data_cfg.flatten is False:
-        return False
-    return data_cfg.flatten is True or attn_implementation.startswith("flash")
 
 
 def attention_implementation(model: nn.Module) -> str:

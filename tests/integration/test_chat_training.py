@@ -53,10 +53,11 @@ def test_prompt_completion_parquet_trains_on_completions(tmp_path):
                                                                      result.final_train_loss)
 
 
-@pytest.mark.parametrize("flatten", [False, True])
-def test_padding_free_run_killed_after_a_checkpoint_resumes_bitwise(tmp_path, monkeypatch, flatten):
+@pytest.mark.parametrize("packing,flatten", [("padding_free", False), ("padding_free", True), ("none", False)])
+def test_padding_free_run_killed_after_a_checkpoint_resumes_bitwise(tmp_path, monkeypatch, packing, flatten):
+    # none: one example a row in the length-grouped order, which a resumed run must continue exactly too.
     data = messages_jsonl(tmp_path / "chat.jsonl", 120)
-    common = {"data.path": str(data), "data.seq_len": 96, "data.flatten": flatten}
+    common = {"data.path": str(data), "data.seq_len": 96, "data.flatten": flatten, "data.packing": packing}
     _train(_config(tmp_path, **common, **{"checkpoint.uri": str(tmp_path / "straight")}))
 
     cfg = _config(tmp_path, **common, **{"checkpoint.uri": str(tmp_path / "killed")})
@@ -72,6 +73,23 @@ def test_padding_free_run_killed_after_a_checkpoint_resumes_bitwise(tmp_path, mo
     a, b = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "killed")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run"
+
+
+def test_packing_auto_trains_with_the_layout_predicted_fastest_and_says_why(tmp_path, caplog):
+    import logging
+
+    data = messages_jsonl(tmp_path / "chat.jsonl", 120)
+    cfg = _config(tmp_path, **{"data.path": str(data), "data.seq_len": 96, "data.packing": "auto",
+                               "train.max_steps": 3, "checkpoint.every_steps": 3})
+    with caplog.at_level(logging.INFO, logger="memfit.data"):
+        result = _train(cfg)
+    assert result.steps == 3 and result.padding_fraction is not None
+    (layout,) = (tmp_path / "work" / "data-cache").glob("layout-*.json")  # resolved once, reused by every phase
+    saved = json.loads(layout.read_text())
+    rows = {r["packing"]: r for r in saved["candidates"]}
+    assert set(rows) == {"none", "padding_free"} and saved["device"] == "cpu"  # chats: blocks would mix them
+    assert saved["packing"] == min(rows.values(), key=lambda r: r["seconds"] / r["trained"])["packing"]
+    assert f"data.packing auto: {saved['packing']} on cpu" in caplog.text
 
 
 def test_own_chatml_template_without_markers_trains_exactly_what_markers_train(tmp_path, caplog):

@@ -34,7 +34,7 @@ TOP_FILES = ("Makefile", "pyproject.toml", "constraints.txt", "prefect.yaml", "d
 FILE_SUFFIXES = {"py", "md", "json", "yaml", "yml", "onnx", "png", "txt", "jsonl", "html", "pickle", "db",
                  "sql", "toml", "csv", "safetensors", "pt"}
 # MLflow params that describe the data, logged beside the flattened config (memfit/run_context.py).
-NOT_CONFIG_KEYS = {"data.digest", "data.train_blocks", "data.val_blocks", "data.source"}
+NOT_CONFIG_KEYS = {"data.digest", "data.train_blocks", "data.val_blocks", "data.source", "data.layout"}
 
 
 def _is_section(annotation: object) -> bool:
