@@ -28,10 +28,10 @@ sys.path.insert(0, str(REPO / "tests"))
 
 
 def build(args: argparse.Namespace):
+    from chat_support import bpe_tokenizer
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from chat_support import bpe_tokenizer
     from memfit.data.synthetic import synthetic_conversations
 
     # Chat-length pairs: a conversation's first user turn, its answer (chosen) and the answer's words reversed.

@@ -54,7 +54,14 @@ def run_identity(cfg: MemfitConfig) -> dict[str, Any]:
     t = cfg.train.model_dump(mode="json")
     for volatile in ("max_steps", "device", "num_threads", "log_every_steps", "eval_batches", "compile"):
         t.pop(volatile)
-    return {"model": cfg.model.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"), "train": t}
+    out = {"model": cfg.model.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json"), "train": t}
+    if t["objective"] == "sft":  # as before objectives existed, so earlier SFT checkpoints still resume
+        del t["objective"]
+        for key in ("chosen_field", "rejected_field"):
+            del out["data"][key]
+    else:
+        out["dpo"] = cfg.dpo.model_dump(mode="json")
+    return out
 
 
 def identity_key(cfg: MemfitConfig) -> str:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from memfit.config.preference import DpoConfig
 from memfit.config.release import (
     DeployConfig,
     EvalConfig,
@@ -56,14 +57,21 @@ class DataConfig(_Section):
     path: str | None = Field(
         None, description="A .txt/.jsonl/.json/.parquet/.csv file, a folder of them, a folder written by datasets' "
         "save_to_disk, or hf:NAME for a dataset loaded with datasets.load_dataset. Unset: a seeded synthetic corpus.")
-    format: Literal["auto", "text", "prompt_completion", "messages"] = Field(
-        "auto", description="Record layout. auto: messages when records have messages_field, prompt_completion "
-        "when they have prompt_field and completion_field, else text (the log says which and why).")
+    format: Literal["auto", "text", "prompt_completion", "messages", "preference"] = Field(
+        "auto", description="Record layout. auto: preference when records have chosen_field and rejected_field, "
+        "messages when they have messages_field, prompt_completion when they have prompt_field and "
+        "completion_field, else text (the log says which and why). preference (train.objective dpo): TRL's "
+        "pairs, prompt/chosen/rejected strings or message lists, or whole chosen/rejected conversations sharing "
+        "their prompt; one pair a row, padded per batch, loss on the completions only (data.packing and "
+        "data.train_on do not apply). Unset data.path: seeded synthetic pairs.")
     text_field: str = Field("text", description="Field holding the text in text-format records.")
     prompt_field: str = Field("prompt", description="Field holding the prompt in prompt_completion records.")
     completion_field: str = Field("completion", description="Field holding the answer in prompt_completion records.")
     messages_field: str = Field(
         "messages", description="Field holding the conversation (a list of {role, content}) in messages records.")
+    chosen_field: str = Field("chosen", description="Field holding the preferred completion in preference records.")
+    rejected_field: str = Field(
+        "rejected", description="Field holding the dispreferred completion in preference records.")
     split: str = Field("train", description="Split to read from a hub dataset or a saved DatasetDict.")
     chat_template: str | None = Field(
         None, description="A Jinja chat template file for messages data (replaces the tokenizer's own and travels "
@@ -101,6 +109,10 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
+    objective: Literal["sft", "dpo"] = Field(
+        "sft", description="What the step optimises. sft: next-token loss (memory.loss); dpo: the preference "
+        "loss of the dpo section on data.format preference pairs, from the full logits of chosen and rejected in "
+        "one forward (memory.loss does not apply; docs/preference.md).")
     max_steps: int = Field(100, ge=1, description="Optimizer steps to train for.")
     batch_size: int = Field(8, ge=1, description="Sequences per optimizer step (the global batch).")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step; must divide batch_size.")
@@ -412,6 +424,7 @@ class MemfitConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    dpo: DpoConfig = Field(default_factory=DpoConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -431,6 +444,24 @@ class MemfitConfig(_Section):
             raise ValueError(f"train.batch_size / train.grad_accum_steps = {micro} sequences per micro-batch "
                              f"must divide evenly across distributed.nproc_per_node x nnodes = {world} ranks; "
                              "change train.batch_size or train.grad_accum_steps")
+        return self
+
+    @model_validator(mode="after")
+    def _objective_fits(self) -> MemfitConfig:
+        dpo, fmt = self.train.objective == "dpo", self.data.format
+        if dpo and fmt not in ("auto", "preference"):
+            raise ValueError(f"train.objective: dpo trains on preference pairs, and data.format is {fmt}; set "
+                             "data.format: preference (or auto)")
+        if not dpo and fmt == "preference":
+            raise ValueError("data.format: preference pairs need train.objective: dpo")
+        if not dpo:
+            return self
+        if self.dpo.reference == "adapter_off" and self.lora.enabled is False:
+            raise ValueError("dpo.reference: adapter_off disables the LoRA adapters for the reference, and "
+                             "lora.enabled is false; enable LoRA or use dpo.reference copy or precompute")
+        if self.distributed.world_size > 1:
+            raise ValueError("train.objective: dpo runs in one process for now; set distributed.nproc_per_node "
+                             "and distributed.nnodes to 1")
         return self
 
     @model_validator(mode="after")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -11,7 +11,7 @@ from memfit.config.release import Section
 # Form field → the config key it sets (the rest of the tree is the form's advanced part).
 KEYS = {"model": "model.name_or_path", "data": "data.path", "max_steps": "train.max_steps", "lr": "train.lr",
         "batch_size": "train.batch_size", "device": "memory.device", "budget_gb": "memory.budget_gb",
-        "lora": "lora.enabled", "max_restarts": "recovery.max_restarts"}
+        "lora": "lora.enabled", "max_restarts": "recovery.max_restarts", "objective": "train.objective"}
 
 
 class RunForm(Section):
@@ -31,6 +31,10 @@ class RunForm(Section):
     lora: bool | None = Field(None, description="Train LoRA adapters on a frozen base (lora.enabled).")
     max_restarts: int | None = Field(None, ge=0, description="Restarts after a preemption or a vanished machine "
                                      "(recovery.max_restarts).")
+
+    objective: Literal["sft", "dpo"] | None = Field(
+        None, description="sft: next-token loss; dpo: preference pairs (prompt, chosen, rejected) with the dpo "
+        "section's loss (train.objective).")
 
     def overrides(self) -> dict[str, Any]:
         """Dotted config key → value, for the fields that are set."""

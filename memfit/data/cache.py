@@ -32,7 +32,8 @@ def cache_key(cfg: MemfitConfig, digest: str, tokenizer: Any) -> str:
     template = getattr(tokenizer, "chat_template", None)
     parts = {"digest": digest, "tokenizer": tokenizer_fingerprint(tokenizer), "seq_len": d.seq_len,
              "val_fraction": d.val_fraction, "seed": d.seed, "layout": 3, "data_format": d.format,
-             "fields": [d.text_field, d.prompt_field, d.completion_field, d.messages_field],
+             "fields": [d.text_field, d.prompt_field, d.completion_field, d.messages_field, d.chosen_field,
+                        d.rejected_field],
              "template": hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest(),
              "train_on": d.train_on, "packing": d.packing, "overlong": d.overlong, "heldout": d.heldout_prompts}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
@@ -42,7 +43,7 @@ def cached_data(cfg: MemfitConfig, texts: list[str], digest: str, tokenizer: Any
                 ) -> DataBundle:
     """prepare_data, reused across phases and runs when nothing that shapes the blocks changed. data.packing auto
     is resolved first (it needs the model's config), so the key and the bundle name the layout chosen."""
-    if cfg.data.packing == "auto":
+    if cfg.data.packing == "auto" and cfg.train.objective != "dpo":  # preference pairs: one pair a row, padded
         packing = resolve_auto_packing(cfg, texts, digest, tokenizer, model_config)[0]
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"packing": packing})})
     path = Path(cfg.run.work_dir) / "data-cache" / f"{cache_key(cfg, digest, tokenizer)}.safetensors"

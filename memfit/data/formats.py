@@ -13,7 +13,7 @@ from typing import Any
 
 from memfit.config import DataConfig
 from memfit.data.files import HUB_PREFIX, blank_data, data_files, missing_data, saved_dataset_dir
-from memfit.data.synthetic import synthetic_corpus
+from memfit.data.synthetic import synthetic_corpus, synthetic_preference_pairs
 from memfit.errors import DataError
 
 log = logging.getLogger("memfit.data")
@@ -70,6 +70,34 @@ def _root_cause(err: BaseException) -> str:
     return (str(root).strip().splitlines() or [type(root).__name__])[0]
 
 
+def record_lines(path: Path, suffix: str, n_rows: int) -> list[int]:
+    """Each record's number as an editor shows it: its 1-based line in a .jsonl (blank lines skipped) or .csv
+    (after the header); 1..n elsewhere, or where the lines do not map one to one onto the records."""
+    fallback = list(range(1, n_rows + 1))
+    if suffix not in (".jsonl", ".csv") or not path.is_file():
+        return fallback
+    with path.open("rb") as f:
+        lines = [i for i, line in enumerate(f, start=1) if line.strip()]
+    if suffix == ".csv":
+        lines = lines[1:]
+    return lines if len(lines) == n_rows else fallback
+
+
+def _bad_json_line(path: Path) -> str | None:
+    """'line N: why' for the first line of a .jsonl that is not one JSON object (the parsers count rows from 0)."""
+    with path.open("rb") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as err:
+                return f"line {n}: {err}"
+            if not isinstance(value, dict):
+                return f"line {n}: not a JSON object"
+    return None
+
+
 def _read_files(suffix: str, files: list[Path], cache_dir: str) -> Any:
     datasets = _quiet_datasets()
     # .txt: blank-line separated paragraphs become documents; line breaks inside a paragraph are kept.
@@ -82,6 +110,9 @@ def _read_files(suffix: str, files: list[Path], cache_dir: str) -> Any:
         hint = {".jsonl": "each line must be one JSON object", ".parquet": "is it a complete parquet file?",
                 ".csv": "it needs a header row"}.get(suffix, "check the file encoding")
         where = files[0] if len(files) == 1 else files[0].parent
+        bad = _bad_json_line(files[0]) if suffix == ".jsonl" and len(files) == 1 else None
+        if bad:
+            raise DataError(f"data.path: {where} {bad}; each line must be one JSON object") from None
         raise DataError(f"data.path: could not read the {suffix} data at {where} ({_root_cause(err)}); "
                         f"{hint}") from None
 
@@ -115,7 +146,9 @@ def detect_format(columns: list[str], cfg: DataConfig, where: str) -> str:
     fields = ", ".join(columns) or "none"
     if cfg.format != "auto":
         return cfg.format
-    if cfg.messages_field in columns:
+    if cfg.chosen_field in columns:  # a pair whose rejected side is missing is named record by record
+        fmt, why = "preference", f"records have a {cfg.chosen_field!r} field"
+    elif cfg.messages_field in columns:
         fmt, why = "messages", f"records have a {cfg.messages_field!r} field"
     elif cfg.prompt_field in columns and cfg.completion_field in columns:
         fmt, why = "prompt_completion", f"records have {cfg.prompt_field!r} and {cfg.completion_field!r} fields"
@@ -133,26 +166,30 @@ def _bad(key: str, where: str, n: int, field: str, problem: str, fix: str) -> Da
     return DataError(f"data.{key}: {where} record {n}: field {field!r} {problem}; {fix}")
 
 
-def _messages(value: Any, where: str, n: int, field: str) -> list[dict[str, str]]:
+def _messages(value: Any, where: str, n: int, field: str, key: str = "messages_field") -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         what = "is missing" if value is None else "is an empty conversation" if value == [] else "is not a list"
-        raise _bad("messages_field", where, n, field, what,
-                   "give a non-empty list of {role, content} turns (or drop the record)")
+        raise _bad(key, where, n, field, what, "give a non-empty list of {role, content} turns (or drop the record)")
     turns = []
     for i, turn in enumerate(value):
-        for key in ("role", "content"):
-            if not isinstance(turn, dict) or not isinstance(turn.get(key), str):
-                raise _bad("messages_field", where, n, f"{field}[{i}].{key}", "is missing or not a string",
+        for part in ("role", "content"):
+            if not isinstance(turn, dict) or not isinstance(turn.get(part), str):
+                raise _bad(key, where, n, f"{field}[{i}].{part}", "is missing or not a string",
                            "every turn needs string role and content")
         turns.append({"role": turn["role"], "content": turn["content"]})
     return turns
 
 
-def normalise(rows: list[dict[str, Any]], fmt: str, cfg: DataConfig, where: str
+def normalise(rows: list[dict[str, Any]], fmt: str, cfg: DataConfig, where: str, numbers: list[int] | None = None
               ) -> list[dict[str, Any]]:
-    """Rows of one file as memfit's examples, each checked; a bad one fails naming the file, record and field."""
+    """Rows of one file as memfit's examples, each checked; a bad one fails naming the file, record and field.
+    `numbers`: each row's 1-based record number as an editor shows it (its line in .jsonl/.csv); default 1..n."""
+    record_numbers = numbers if numbers is not None else list(range(1, len(rows) + 1))
     out = []
-    for n, row in enumerate(rows, start=1):
+    for n, row in zip(record_numbers, rows, strict=True):
+        if fmt == "preference":
+            out.append(_preference(row, cfg, where, n))
+            continue
         if fmt == "messages":
             out.append({"messages": _messages(row.get(cfg.messages_field), where, n, cfg.messages_field)})
             continue
@@ -170,7 +207,53 @@ def normalise(rows: list[dict[str, Any]], fmt: str, cfg: DataConfig, where: str
     return out
 
 
+def _preference(row: dict[str, Any], cfg: DataConfig, where: str, n: int) -> dict[str, Any]:
+    """One pair as {prompt, chosen, rejected}: strings (TRL's standard form) or turn lists (conversational); whole
+    chosen/rejected conversations without a prompt field share their leading turns as the prompt (TRL's implicit
+    prompt)."""
+    sides = {}
+    for key in ("chosen_field", "rejected_field"):
+        name = getattr(cfg, key)
+        value = row.get(name)
+        if value is None:
+            raise _bad(key, where, n, name, "is missing", "every preference record needs a chosen and a rejected "
+                       "completion (or set data.chosen_field / data.rejected_field)")
+        sides[key] = value
+    chosen, rejected, prompt = sides["chosen_field"], sides["rejected_field"], row.get(cfg.prompt_field)
+    if isinstance(chosen, str) or isinstance(rejected, str):
+        for key, name, value in (("prompt_field", cfg.prompt_field, prompt), ("chosen_field", cfg.chosen_field,
+                                 chosen), ("rejected_field", cfg.rejected_field, rejected)):
+            if not isinstance(value, str):
+                raise _bad(key, where, n, name, "is missing" if value is None else "is not a string",
+                           "a standard preference record holds prompt, chosen and rejected strings (or all "
+                           "three as message lists)")
+        pair: dict[str, Any] = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    else:
+        chosen = _messages(chosen, where, n, cfg.chosen_field, "chosen_field")
+        rejected = _messages(rejected, where, n, cfg.rejected_field, "rejected_field")
+        if prompt is None:  # implicit prompt: the turns both conversations begin with
+            k = 0
+            while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
+                k += 1
+            if k == 0:
+                raise _bad("prompt_field", where, n, cfg.prompt_field, "is missing and the chosen and rejected "
+                           "conversations share no leading turn", "add the prompt turns, or a prompt field")
+            prompt, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
+        else:
+            prompt = _messages(prompt, where, n, cfg.prompt_field, "prompt_field")
+        pair = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    if pair["chosen"] == pair["rejected"]:
+        raise _bad("rejected_field", where, n, cfg.rejected_field, "is identical to the chosen completion",
+                   "a pair must differ (drop the record)")
+    return pair
+
+
 def _texts_of(example: dict[str, Any]) -> str:
+    if "chosen" in example:  # a preset tokenizer learns every side of a pair
+        if isinstance(example["prompt"], str):
+            return example["prompt"] + example["chosen"] + "\n" + example["rejected"]
+        turns = [*example["prompt"], *example["chosen"], *example["rejected"]]
+        return "\n".join(f"<|{t['role']}|>\n{t['content']}" for t in turns)
     if "messages" in example:  # role markers as the presets' template writes them: their tokens get merges
         return "\n".join(f"<|{t['role']}|>\n{t['content']}" for t in example["messages"])
     return example.get("text") or example["prompt"] + example["completion"]
@@ -201,6 +284,10 @@ def _tables(cfg: DataConfig, cache_dir: str) -> list[tuple[str, Any, str]]:
 def load_texts(data_cfg: DataConfig) -> Corpus:
     """The examples to train on: the synthetic corpus, or every record under data.path, as a Corpus."""
     if data_cfg.path is None:
+        if data_cfg.format == "preference":
+            pairs = synthetic_preference_pairs(data_cfg.synthetic_docs, data_cfg.seed)
+            return Corpus([_texts_of(e) for e in pairs], "preference", pairs,
+                          [("<synthetic pairs>", i + 1) for i in range(len(pairs))])
         if data_cfg.format not in ("auto", "text"):
             raise DataError(f"data.format: {data_cfg.format} needs data.path (the synthetic corpus is text)")
         return Corpus(synthetic_corpus(data_cfg.synthetic_docs, data_cfg.seed))
@@ -214,10 +301,11 @@ def load_texts(data_cfg: DataConfig) -> Corpus:
             is_txt = suffix == ".txt"  # paragraphs are text whatever data.format says for the other files
             fmt = "text" if is_txt else detect_format(list(ds.column_names), data_cfg, where)
             cfg = data_cfg.model_copy(update={"text_field": "text"}) if is_txt else data_cfg
-            rows = normalise(ds.to_list(), fmt, cfg, where)
+            numbers = record_lines(Path(where), suffix, ds.num_rows)
+            rows = normalise(ds.to_list(), fmt, cfg, where, numbers)
             formats.add(fmt)
             examples += rows
-            origins += [(where, n) for n in range(1, len(rows) + 1)]
+            origins += [(where, n) for n in numbers]
     if len(formats) > 1:
         raise DataError(f"data.path: {data_cfg.path} mixes formats ({', '.join(sorted(formats))}); "
                         "keep one format per run (or set data.format)")

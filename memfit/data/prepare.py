@@ -19,6 +19,7 @@ from memfit.data.packing import (
     split_rows,
     tokenize_and_pack,
 )
+from memfit.errors import DataError
 
 log = logging.getLogger("memfit.data")
 
@@ -59,7 +60,11 @@ def _heldout(corpus: Corpus, val_rows: torch.Tensor, members: list[list[int]], i
     out = []
     for row in val_rows.tolist():
         for i in members[row]:
-            out.append(corpus.examples[index[i]])
+            e = corpus.examples[index[i]]
+            if "chosen" in e:  # a pair is held out as its prompt and the chosen answer
+                e = ({"prompt": e["prompt"], "completion": e["chosen"]} if isinstance(e["prompt"], str)
+                     else {"messages": [*e["prompt"], *e["chosen"]]})
+            out.append(e)
             if len(out) == n:
                 return out
     return out
@@ -88,7 +93,21 @@ def prepare_data(cfg: MemfitConfig, tokenizer: Any, texts: list[str] | None = No
     """Load (unless given), encode with data.train_on, pack with data.packing, split with data.val_fraction / seed."""
     data = cfg.data
     corpus = texts if isinstance(texts, Corpus) else load_texts(data) if texts is None else Corpus(list(texts))
-    if corpus.format == "text" and data.packing == "blocks" and data.train_on == "all":
+    if (cfg.train.objective == "dpo") != (corpus.format == "preference"):
+        where = data.path or "the synthetic corpus"
+        raise DataError(f"train.objective: {cfg.train.objective}, and {where} holds {corpus.format} "
+                        "records; dpo trains on preference pairs (records with chosen and rejected fields, or "
+                        "data.format: preference without data.path for synthetic ones), sft on the others")
+    if corpus.format == "preference":  # one pair a row, padded; no packing, loss on the completions
+        from memfit.data.pairs import encode_pairs
+
+        rows, index, stats = encode_pairs(corpus, tokenizer, data, _pad_id(tokenizer))
+        rows_train, rows_val, val_index = split_rows(rows, data.val_fraction, data.seed)
+        train, val = rows_train.pop("input_ids"), rows_val.pop("input_ids")
+        fields_train, fields_val = rows_train, rows_val
+        stats.update({"format": "preference", "examples": len(index), "pad_id": _pad_id(tokenizer)})
+        heldout = _heldout(corpus, val_index, [[i] for i in range(len(index))], index, data.heldout_prompts)
+    elif corpus.format == "text" and data.packing == "blocks" and data.train_on == "all":
         # Plain text blocks: labels are the inputs, so the batch is input_ids alone (the path golden losses pin).
         train, val = split_blocks(tokenize_and_pack(list(corpus), tokenizer, data.seq_len), data.val_fraction,
                                   data.seed)

@@ -123,3 +123,21 @@ def write_parquet(records: list[dict[str, Any]], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(records), str(path))
     return path
+
+
+def synthetic_preference_pairs(n: int, seed: int) -> list[dict[str, str]]:
+    """`n` {prompt, chosen, rejected} pairs with a learnable rule: the chosen answer counts up from the prompt's
+    number word or letter, the rejected one holds the same words counting down (so only their order tells them
+    apart, and a model that knows no rule ranks a pair by chance)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.5:
+            start = rng.randrange(0, 14)
+            first, words = _NUMBER_WORDS[start], _NUMBER_WORDS[start + 1:start + 1 + rng.randint(3, 5)]
+        else:
+            start = rng.randrange(0, 20)
+            first, words = _LETTERS[start], list(_LETTERS[start + 1:start + 1 + rng.randint(3, 5)])
+        out.append({"prompt": f"Q: go on from {first}.\nA:", "chosen": " " + " ".join(words) + ".",
+                    "rejected": " " + " ".join(reversed(words)) + "."})
+    return out

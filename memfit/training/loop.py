@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 from memfit.config import MemfitConfig
 from memfit.data.order import BatchOrder
 from memfit.data.packing import flattened, row_real_tokens
+from memfit.data.pairs import with_rejected_side
 from memfit.data.prepare import DataBundle
 from memfit.memory.monitor import MemoryMonitor
 from memfit.memory.probe import autocast_context
@@ -28,7 +30,8 @@ from memfit.runtime.env import keep_heap
 from memfit.tracking.base import Tracker
 from memfit.training.compile import CompileClock
 from memfit.training.loss import Batch, LossPolicy, blocks_batch, make_loss, trained_tokens
-from memfit.training.optim import flops_per_token, memory_now, step_metrics
+from memfit.training.objective import make_objective
+from memfit.training.optim import cuda_flops, memory_now, step_metrics
 from memfit.training.schedule import restore_rng, seed_everything
 from memfit.training.strategies import Agreement, SingleProcess
 
@@ -109,13 +112,15 @@ class Trainer:
         self.initial_val_loss: float | None = None
         self.resumed_from: int | None = None
         self.monitor = MemoryMonitor.for_run(cfg, device, tracker, *s.monitored())
-        self.loss: LossPolicy = make_loss(cfg)
+        # train.objective: sft is the loss policy; dpo takes its reference here, before the first step (objective.py).
+        self.loss: LossPolicy = make_objective(cfg, self.model, data, device, s.autocast_precision)
         self.attn_implementation = attention_implementation(model)
         self.trained_tokens_seen = 0
         # Trained tokens per training row, counted once here: a step adds up Python ints (no tensor read per step).
         labels = data.train_fields.get("labels", data.train)
         self._row_trained: list[int] = (labels[:, 1:] != -100).sum(dim=1).tolist()
         self._row_real = row_real_tokens(data.train, data.train_fields, data.stats.get("pad_id"))
+        self._row_trained, self._row_real = with_rejected_side(data.train_fields, self._row_trained, self._row_real)
         self._cut_to_longest = "attention_mask" in data.train_fields  # blocks_batch cuts such batches
         # One padded example a row: micro-batches of similar lengths, so cutting to the longest leaves little padding.
         grouped = self._cut_to_longest and cfg.data.group_by_length
@@ -163,9 +168,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, max_batches: int | None = None) -> float:
         # Every rank evaluates the same batches (FSDP2 forwards are collective); the result is identical.
-        return evaluate_loss(self.strategy.eval_model(), self.data.val, self.cfg.train.micro_batch_size,
-                             self.device, self.strategy.autocast_precision, max_batches or self.cfg.train.eval_batches,
-                             self.loss, self.data.val_fields, self.attn_implementation)
+        # dpo: the held-out pairs' loss, rewards and accuracies logged as val_* (objective.py)
+        with getattr(self.loss, "measuring", lambda *_: contextlib.nullcontext())(self.tracker, self.step):
+            return evaluate_loss(self.strategy.eval_model(), self.data.val, self.cfg.train.micro_batch_size,
+                                 self.device, self.strategy.autocast_precision,
+                                 max_batches or self.cfg.train.eval_batches, self.loss, self.data.val_fields,
+                                 self.attn_implementation)
 
     def log_initial_val_loss(self) -> None:
         """The validation loss before the first step (MLflow step 0), once per run: a resumed run keeps its own."""
@@ -275,6 +283,8 @@ class Trainer:
                                 tokens=real, trained=trained, slots=slots, seconds=dt, memory=memory,
                                 **self.flops)
                     self._log_routing()
+                    if hasattr(self.loss, "pop_metrics"):  # dpo: TRL's rewards/* and logps/* since the last log
+                        self.tracker.log_metrics(self.loss.pop_metrics(), step=self.step)
                 bar.update(1)
                 # The newest loss read, not this step's: reading it here would make every step wait.
                 loss_shown = {} if steplog.last_loss is None else {"loss": f"{steplog.last_loss:.3f}"}
@@ -310,6 +320,8 @@ class Trainer:
             self.compile_clock.close()
             bar.close()
             steplog.drain()
+        if hasattr(self.loss, "measuring") and self.step > start:  # dpo: the held-out pairs after training
+            self.evaluate()
         # The last step's loss, logged or not (a stop may end on a step that does not log): one read per run.
         last_loss = float(agreed.loss) / s.world_size if agreed is not None else None
         seconds = time.perf_counter() - run_t0
@@ -357,19 +369,6 @@ class Trainer:
                 "the figures): stopped with a training checkpoint instead of running out of memory")
 
 
-def cuda_flops(model: nn.Module, device: torch.device, seq_len: int, precision: str) -> dict[str, float]:
-    """On CUDA: FLOPs per token (PaLM's count) and the device's dense peak for the compute dtype, for the tflops
-    and mfu metrics; elsewhere nothing (a CPU has no meaningful peak to hold a step against)."""
-    if device.type != "cuda":
-        return {}
-    from memfit.config.devices import profile_for_report
-
-    config = getattr(getattr(model, "module", model), "config", None)
-    layers, hidden = getattr(config, "num_hidden_layers", 0), getattr(config, "hidden_size", 0)
-    dtype = {"bf16-mixed": "bfloat16", "bf16-true": "bfloat16", "fp16-mixed": "float16"}.get(precision, "float32")
-    profile = profile_for_report({"type": "cuda", "name": torch.cuda.get_device_name(device)})
-    n_params = sum(p.numel() for p in model.parameters())
-    return {"flops": flops_per_token(n_params, layers, hidden, seq_len), "peak_flops": profile.flops_per_s(dtype)}
 
 
 def attention_implementation(model: nn.Module) -> str:

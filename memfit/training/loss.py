@@ -27,9 +27,9 @@ def blocks_batch(blocks: torch.Tensor, idx: torch.Tensor | slice, device: torch.
     rows = {"input_ids": blocks[idx], **{k: v[idx] for k, v in fields.items()}}
     if lengths is not None and "position_ids" in rows:
         rows = {k: torch.cat([v[r, :n] for r, n in enumerate(lengths)])[None] for k, v in rows.items()}
-    if "attention_mask" in rows:  # one padded example a row: cut the batch to its longest row (on the host)
-        longest = int(rows["attention_mask"].sum(-1).max())
-        rows = {k: v[:, :longest] for k, v in rows.items()}
+    if "attention_mask" in rows:  # one padded example (or pair) a row: cut the batch to its longest (on the host)
+        longest = max(int(v.sum(-1).max()) for k, v in rows.items() if k.endswith("attention_mask"))
+        rows = {k: v[:, :longest] if v.dim() == 2 else v for k, v in rows.items()}
     if device is not None:
         rows = {k: v.to(device, non_blocking=True) for k, v in rows.items()}
     rows.setdefault("labels", rows["input_ids"])
@@ -40,6 +40,12 @@ def blocks_batch(blocks: torch.Tensor, idx: torch.Tensor | slice, device: torch.
         if mask is not None:
             rows["attention_mask"] = mask
     return rows
+
+
+def model_inputs(batch: Batch) -> Batch:
+    """What the model's forward takes of a batch (a preference batch's rejected side and reference log-probs are
+    the objective's: the next-token loss of such a batch is that of its chosen side)."""
+    return {k: v for k, v in batch.items() if k in ("input_ids", "labels", "attention_mask", "position_ids")}
 
 
 def trained_tokens(batch: Batch) -> int:
@@ -63,7 +69,7 @@ class PlainLoss:
     last_routing: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
     def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        out = model(**batch)
+        out = model(**model_inputs(batch))
         aux = getattr(out, "aux_loss", None)  # MoE with output_router_logits: already in out.loss (its coef)
         if aux is not None:
             self.last_routing = (aux.detach(), tuple(r.detach() for r in out.router_logits or ()))
@@ -206,7 +212,7 @@ class ChunkedLoss:
         _refuse_wrapped(model)
         lm = _causal_lm(model)
         head = lm.get_output_embeddings()
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
         hidden = lm.base_model(**inputs, use_cache=False).last_hidden_state
         labels = batch["labels"]
         shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1).reshape(-1)

@@ -188,3 +188,18 @@ def step_metrics(loss: float, lr: float, grad_norm: float, tokens: int, seconds:
         if peak_flops:
             out["mfu"] = achieved / peak_flops
     return out
+
+
+def cuda_flops(model: nn.Module, device: torch.device, seq_len: int, precision: str) -> dict[str, float]:
+    """On CUDA: FLOPs per token (PaLM's count) and the device's dense peak for the compute dtype, for the tflops
+    and mfu metrics; elsewhere nothing (a CPU has no meaningful peak to hold a step against)."""
+    if device.type != "cuda":
+        return {}
+    from memfit.config.devices import profile_for_report
+
+    config = getattr(getattr(model, "module", model), "config", None)
+    layers, hidden = getattr(config, "num_hidden_layers", 0), getattr(config, "hidden_size", 0)
+    dtype = {"bf16-mixed": "bfloat16", "bf16-true": "bfloat16", "fp16-mixed": "float16"}.get(precision, "float32")
+    profile = profile_for_report({"type": "cuda", "name": torch.cuda.get_device_name(device)})
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"flops": flops_per_token(n_params, layers, hidden, seq_len), "peak_flops": profile.flops_per_s(dtype)}

@@ -19,7 +19,7 @@ def test_the_flow_form_leads_with_the_per_run_knobs_and_keeps_the_tree_below():
     assert schema["properties"]["form"]["position"] == 0 and schema["properties"]["config"]["position"] == 1
     form = schema["definitions"]["RunForm"]["properties"]
     assert list(form) == ["model", "data", "max_steps", "lr", "batch_size", "device", "budget_gb", "lora",
-                          "max_restarts"]
+                          "max_restarts", "objective"]
     assert "train.max_steps" in form["max_steps"]["description"]
     assert len(schema["definitions"]["MemfitConfig"]["properties"]) >= 15  # the whole tree, as before
 
@@ -33,6 +33,7 @@ def test_an_empty_form_changes_nothing_and_a_filled_one_sets_its_keys():
     assert (cfg.train.max_steps, cfg.train.lr, cfg.train.batch_size) == (7, 1e-4, 8)
     assert cfg.lora.enabled and cfg.recovery.max_restarts == 0 and cfg.memory.device == "a100-80gb"
     assert set(KEYS.values()) <= set(cfg.flat())  # every knob names a real key
+    assert RunForm(objective="dpo").apply(base).train.objective == "dpo"
 
 
 def test_a_bad_value_names_the_config_key():
