@@ -43,9 +43,8 @@ def cached_data(cfg: MemfitConfig, texts: list[str], digest: str, tokenizer: Any
                 ) -> DataBundle:
     """prepare_data, reused across phases and runs when nothing that shapes the blocks changed. data.packing auto
     is resolved first (it needs the model's config), so the key and the bundle name the layout chosen."""
-    if cfg.data.packing == "auto":  # preference pairs are always one padded pair a row: "none"
-        packing = "none" if cfg.train.objective == "dpo" else resolve_auto_packing(cfg, texts, digest, tokenizer,
-                                                                                   model_config)[0]
+    if cfg.data.packing == "auto" and cfg.train.objective != "dpo":  # preference pairs: one pair a row, padded
+        packing = resolve_auto_packing(cfg, texts, digest, tokenizer, model_config)[0]
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"packing": packing})})
     path = Path(cfg.run.work_dir) / "data-cache" / f"{cache_key(cfg, digest, tokenizer)}.safetensors"
     if path.is_file():
