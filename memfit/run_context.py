@@ -256,6 +256,8 @@ def packing_alternatives(cfg: MemfitConfig, device: str | None = None) -> tuple[
     from memfit.memory.estimate import model_config_for
     from memfit.models.loading import load_tokenizer
 
+    if cfg.train.objective == "dpo":  # preference pairs: one padded pair a row, nothing to weigh
+        return "none", []
     if device:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"device": device})})
     texts = load_texts(cfg.data)

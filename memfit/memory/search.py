@@ -124,6 +124,9 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     lora.enabled=auto: that policy on each LoRA fallback, until one fits). `measured`: stacks this run was
     stopped at the memory limit with (memory/limits.py); they and what their measurement rules out never fit."""
     t0 = time.perf_counter()
+    if cfg.train.objective == "dpo":
+        log.warning("train.objective dpo: the plan models a next-token step on the chosen side only; the rejected "
+                    "side (twice the rows a step) and the reference (dpo.reference) are not estimated yet")
     est = estimator or make_estimator(cfg, profile, hf_config)
     n = est.n_blocks
     configured = configured_stack(cfg, lora=cfg.lora.enabled is True)
