@@ -129,9 +129,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    out.with_suffix(".md").write_text("# memfit's DPO step vs TRL's DPOTrainer (bench/dpo_peers.py)\n\n"
-                                      "How it was run: [preference](preference.md).\n\n" + table + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"table": table, "rounds": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -162,8 +162,11 @@ class Estimator:
     def __init__(self, hf_config: Any, seq_len: int, profile: DeviceProfile, *, lora_cfg: Any | None = None,
                  save_ops: Sequence[str] = (), block_class: str | None = None, weight_decay: float = 0.01,
                  max_grad_norm: float | None = 1.0, anchor_micro_batch: int | None = None,
-                 loss_chunk_tokens: int = 1024) -> None:
+                 loss_chunk_tokens: int = 1024, dpo: Any | None = None) -> None:
         self.hf_config = hf_config
+        # train.objective dpo (its config section): a micro-batch of pairs is twice the rows, plus the reference.
+        self.dpo = dpo
+        self.rows_per_example = 2 if dpo is not None else 1
         self.n_blocks = n_blocks_of(hf_config)
         self.seq_len = seq_len
         self.profile = profile
@@ -342,7 +345,8 @@ class Estimator:
 
     def _batches(self, stack: Stack, count: int) -> list[torch.Tensor]:
         vocab = max(int(getattr(self.hf_config, "vocab_size", 0) or 0), 2)
-        return [torch.randint(0, vocab, (stack.micro_batch_size, self.seq_len)) for _ in range(count)]
+        rows = stack.micro_batch_size * self.rows_per_example
+        return [torch.randint(0, vocab, (rows, self.seq_len)) for _ in range(count)]
 
     # -- estimates ---------------------------------------------------------------------------------------
     def _loss(self, stack: Stack) -> Any:
@@ -355,7 +359,14 @@ class Estimator:
         traces = {k: self.kind_trace(stack, k) for k in set(kinds)}
         method = (f"fake-tensor trace of a {min(self.n_blocks, PROXY_BLOCKS)}-block proxy per block kind, "
                   f"composed to {self.n_blocks} blocks; optimizer step traced at full depth")
-        return compose(self.static(stack), traces, list(kinds), stack, method)
+        estimate = compose(self.static(stack), traces, list(kinds), stack, method)
+        if self.dpo is None:
+            return estimate
+        from memfit.memory.preference import reference_mode, with_reference
+
+        mode = reference_mode(self.dpo.reference, self.dpo.loss_type, stack.lora)
+        vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
+        return with_reference(estimate, mode, vocab, stack.micro_batch_size * self.rows_per_example, self.seq_len)
 
 
 def interpolate(lo: KindTrace, hi: KindTrace, t: float) -> KindTrace:

@@ -114,6 +114,7 @@ class Plan:
                 "breakdown": dict(e.breakdown), "peak_at": e.peak_at,
                 "predicted_step_seconds": round(e.step_seconds, 6),
                 "predicted_overhead": round(self.overhead(e), 4), "fits": self.fits_one(e),
+                **{k: e.extra[k] for k in ("reference", "reference_bytes") if k in e.extra},
                 **({"excluded": why} if (why := self.excluded(e)) else {})}
 
     def to_dict(self) -> dict[str, Any]:
@@ -228,6 +229,10 @@ def plan_table_markdown(plan: Plan) -> str:
                     f"{e.peak_bytes / GB:.4g} | "
                     f"{e.activation_bytes / GB:.4g} | {r['predicted_overhead'] * 100:+.1f}% | "
                     f"{'yes' if r['fits'] else 'no: ' + r['excluded'] if 'excluded' in r else 'no'} |")
+    chosen = plan.chosen or (plan.table[0] if plan.table else None)
+    if chosen is not None and "reference" in chosen.extra:  # train.objective dpo: the rows are pairs x 2
+        rows.append(f"\ndpo: micro-batches of pairs (chosen + rejected: 2 rows each); reference counted: "
+                    f"{chosen.extra['reference_why']} (+{chosen.extra['reference_bytes'] / GB:.4g} GB counted for it)")
     return "\n".join(rows)
 
 

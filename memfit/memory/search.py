@@ -68,7 +68,8 @@ def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = Non
     return Estimator(hf_config if hf_config is not None else model_config_for(cfg), cfg.data.seq_len, profile,
                      lora_cfg=cfg.lora, save_ops=cfg.memory.selective_save_ops, block_class=cfg.memory.block_class,
                      weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
-                     anchor_micro_batch=cfg.train.micro_batch_size, loss_chunk_tokens=cfg.memory.loss_chunk_tokens)
+                     anchor_micro_batch=cfg.train.micro_batch_size, loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+                     dpo=cfg.dpo if cfg.train.objective == "dpo" else None)
 
 
 def policy_kinds(cfg: Any, n_blocks: int, policy: str) -> tuple[str, ...]:
@@ -124,9 +125,6 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     lora.enabled=auto: that policy on each LoRA fallback, until one fits). `measured`: stacks this run was
     stopped at the memory limit with (memory/limits.py); they and what their measurement rules out never fit."""
     t0 = time.perf_counter()
-    if cfg.train.objective == "dpo":
-        log.warning("train.objective dpo: the plan models a next-token step on the chosen side only; the rejected "
-                    "side (twice the rows a step) and the reference (dpo.reference) are not estimated yet")
     est = estimator or make_estimator(cfg, profile, hf_config)
     n = est.n_blocks
     configured = configured_stack(cfg, lora=cfg.lora.enabled is True)

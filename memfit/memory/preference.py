@@ -1,0 +1,51 @@
+"""DPO in the plan: twice the rows a step (chosen and rejected) and the reference log-probs' cost, per mode."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+ROWS_PER_PAIR = 2  # chosen and rejected through the policy in one forward
+FORWARD_SHARE = 1 / 3  # a no-grad forward is about a third of a forward + backward
+
+
+def reference_mode(setting: str, loss_type: str, lora: bool) -> str:
+    """Pure: dpo.reference as a run resolves it on a stack (objective.make_reference's rule): none for the
+    reference-free simpo; auto is adapter_off with LoRA adapters, else a frozen copy."""
+    if loss_type == "simpo":
+        return "none"
+    if setting == "auto":
+        return "adapter_off" if lora else "copy"
+    return setting
+
+
+def why(mode: str, copy_bytes: int) -> str:
+    """One line for the plan: what the reference costs in this mode and what the alternative would."""
+    gb = copy_bytes / 1e9
+    return {
+        "none": "simpo is reference-free: no reference log-probs",
+        "adapter_off": "adapter_off: the policy with its LoRA adapters disabled is the reference: no extra "
+                       "weights, one no-grad forward a step (precompute would move that forward before training)",
+        "copy": f"copy: a frozen copy of the starting model, {gb:.3g} GB of weights and one no-grad forward a step; "
+                "dpo.reference: precompute needs neither while training (one pass before step 1)",
+        "precompute": f"precompute: the reference log-probs stored by one pass before step 1: no reference model "
+                      f"while training (a copy would hold {gb:.3g} GB more)",
+    }[mode]
+
+
+def with_reference(estimate: Any, mode: str, vocab: int, rows: int, seq_len: int) -> Any:
+    """The estimate of a DPO step (traced with ROWS_PER_PAIR x the pairs as rows) plus its reference: a copy's
+    weights (the policy's own dtype) stay for the whole run; adapter_off and copy run a no-grad forward whose fp32
+    logits and log-softmax over every row are alive while the policy's loss is formed."""
+    copy_bytes = estimate.weight_bytes if mode == "copy" else 0
+    # Measured on a tiny Llama (tests/integration/test_dpo_estimate.py): the reference's logits add to the traced
+    # peak, which sits where the policy's loss is formed, right after the reference forward.
+    transient = 2 * rows * seq_len * vocab * 4 if mode in ("adapter_off", "copy") else 0
+    extra = copy_bytes + transient
+    seconds = estimate.step_seconds * (1 + FORWARD_SHARE) if mode in ("adapter_off", "copy") else \
+        estimate.step_seconds
+    breakdown = dict(estimate.breakdown)
+    breakdown["other"] = breakdown.get("other", 0) + extra  # the tracker's keys: a copy's weights are not trained
+    return replace(estimate, peak_bytes=estimate.peak_bytes + extra, breakdown=breakdown, step_seconds=seconds,
+                   extra={**estimate.extra, "reference": mode, "reference_bytes": extra,
+                          "reference_why": why(mode, estimate.weight_bytes)})
