@@ -39,8 +39,8 @@ log = logging.getLogger("memfit.train")
 
 
 def _test_fault(rank: int, step: int) -> None:
-    # TEST-ONLY hook: MEMFIT_TEST_RANK_FAULT="<sigterm|crash>:<rank>:<step>" makes one rank receive SIGTERM
-    # (as from a spot reclaim) or raise, right after that optimizer step, so tests hit the real paths.
+    # TEST-ONLY hook: MEMFIT_TEST_RANK_FAULT="<sigterm|crash|kill>:<rank>:<step>" makes one rank receive SIGTERM
+    # (as from a spot reclaim), raise, or die by SIGKILL right after that optimizer step (real paths in tests).
     spec = os.environ.get("MEMFIT_TEST_RANK_FAULT")
     if not spec:
         return
@@ -48,6 +48,8 @@ def _test_fault(rank: int, step: int) -> None:
     if int(r) == rank and int(s) == step:
         if kind == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "crash":
             raise RuntimeError(f"injected crash on rank {rank} at step {step} (MEMFIT_TEST_RANK_FAULT)")
 

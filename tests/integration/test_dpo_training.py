@@ -93,16 +93,24 @@ def test_precomputed_reference_trains_like_the_copy(tmp_path):
         torch.testing.assert_close(weights["precompute"][k], v, atol=1e-5, rtol=1e-4)
 
 
-def test_dpo_run_killed_after_a_checkpoint_resumes_to_the_same_weights(tmp_path, monkeypatch):
+def test_dpo_run_killed_after_a_checkpoint_resumes_to_the_same_weights(tmp_path):
+    """SIGKILL (no handler runs, a background save may be cut short) after step 7, then a rerun: bitwise equal."""
+    import os
+    import subprocess
+    import sys
+
     common = {"train.max_steps": 8, "checkpoint.every_steps": 3}
     _train(_config(tmp_path, **common, **{"checkpoint.uri": str(tmp_path / "straight")}))
-    cfg = _config(tmp_path, **common, **{"checkpoint.uri": str(tmp_path / "killed")})
-    monkeypatch.setenv("MEMFIT_TEST_RANK_FAULT", "crash:0:7")  # dies right after step 7: step 6 is saved
-    with pytest.raises(RuntimeError, match="injected crash"):
-        _train(cfg)
-    monkeypatch.delenv("MEMFIT_TEST_RANK_FAULT")
+    overrides = {**common, "checkpoint.uri": str(tmp_path / "killed")}
+    script = (f"import sys; sys.path[:0] = [{str(REPO / 'tests')!r}, {str(REPO / 'tests' / 'integration')!r}]\n"
+              "from pathlib import Path\nimport test_dpo_training as t\n"
+              f"t._train(t._config(Path({str(tmp_path)!r}), **{overrides!r}))\n")
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "MEMFIT_TEST_RANK_FAULT": "kill:0:7"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    cfg = _config(tmp_path, **overrides)
     result = _train(cfg)
-    assert result.resumed_from == 6 and result.steps == 8
+    assert result.resumed_from in (3, 6) and result.steps == 8  # step 6's save may not have finished
     a = load_file(str(_newest(tmp_path / "straight") / "model.safetensors"))
     b = load_file(str(_newest(tmp_path / "killed") / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
