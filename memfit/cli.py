@@ -525,6 +525,11 @@ def export_cmd(
                                                                 "s3://bucket/prefix), manifest last.")] = None,
     adapter: Annotated[bool, typer.Option("--adapter", help="LoRA checkpoints: also write OUT/adapter (a peft "
                                                             "folder), verified with peft on its base.")] = False,
+    format_: Annotated[list[str] | None, typer.Option("--format", help="Formats to write (repeat it): "
+                                                      "safetensors, onnx, adapter, gguf; SafeTensors always. Given, it "
+                                                      "replaces --onnx/--adapter.")] = None,
+    quant: Annotated[list[str] | None, typer.Option("--quant", help="GGUF files to write (repeat it): f16, q8_0, "
+                                                    "q4_k_m. Unset: the checkpoint's export.gguf_quants.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Export a training checkpoint to a verified SafeTensors folder and ONNX file (config from the checkpoint)."""
@@ -533,8 +538,13 @@ def export_cmd(
         with collector_paused(freeze=_OWN_PROCESS):
             from memfit.release.from_checkpoint import export_checkpoint
 
+        if format_:
+            unknown = sorted(set(format_) - {"safetensors", "onnx", "adapter", "gguf"})
+            if unknown:
+                raise ConfigError(f"--format {', '.join(unknown)}: not a format (safetensors, onnx, adapter, gguf)")
+            onnx, adapter = "onnx" in format_, "adapter" in format_
         report = export_checkpoint(checkpoint_uri, out, onnx=onnx, onnx_only=onnx_only, upload_uri=upload,
-                                   overrides=set_, adapter=adapter)
+                                   overrides=set_, adapter=adapter, gguf="gguf" in (format_ or []), gguf_quants=quant)
     except MemfitError as err:
         _fail(err)
     lines = [f"exported step {report['step']} of {report['checkpoint']}"]
@@ -554,6 +564,13 @@ def export_cmd(
         a = report["adapter"]
         lines.append(f"adapter: {a['dir']} on base {a['base']}; peft-loaded vs merged max |diff| "
                      f"{a['max_abs_diff']:.2e}, top-1 {a['top1_agree']:.0%}")
+    for f in (report["gguf"] or {}).get("files", []):
+        lines.append(f"GGUF {f['quant']}: {f['file']} ({f['bytes'] / 2**20:.1f} MiB); llama.cpp vs transformers: "
+                     f"greedy "
+                     f"{f['greedy_equal']}/{f['prompts']} prompts equal, top-1 {f['top1_agree']:.1%}, max KL "
+                     f"{f['max_kl']:.2g}")
+    if report["gguf"]:
+        lines.append(f"Modelfile: {report['gguf']['modelfile']}")
     if report["uploaded_uri"]:
         lines.append(f"uploaded: {report['uploaded_uri']} (manifest.json last)")
     for line in lines:  # with --json the human lines go to stderr: stdout is the JSON object alone
