@@ -279,7 +279,7 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
             from memfit.release.gguf_export import GGUF_DIR, export_gguf
 
             gguf_report = export_gguf(files.safetensors_dir, Path(out_dir) / GGUF_DIR, quants,
-                                      prompts=cfg.eval.prompts, min_top1=cfg.export.gguf_min_top1,
+                                      prompts=cfg.eval.prompts, min_top1=cfg.export.gguf_min_top1.model_dump(),
                                       max_new_tokens=cfg.eval.max_new_tokens, name=cfg.run.name).to_dict()
             files.gguf_dir = gguf_report["dir"]
         verified = None

@@ -36,7 +36,7 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
         from memfit.release.gguf_export import GGUF_DIR, export_gguf
 
         gguf = export_gguf(files.safetensors_dir, Path(cfg.export.dir) / GGUF_DIR, cfg.export.gguf_quants,
-                           prompts=cfg.eval.prompts, min_top1=cfg.export.gguf_min_top1,
+                           prompts=cfg.eval.prompts, min_top1=cfg.export.gguf_min_top1.model_dump(),
                            max_new_tokens=cfg.eval.max_new_tokens, name=cfg.run.name)
         tracker.log_metrics(gguf.metrics(), step=step)
     task_scores: dict[str, float] = {}

@@ -86,7 +86,7 @@ def test_a_llama_run_exports_gguf_that_llama_cpp_runs_like_transformers(llama_ru
     assert all(sha256_file(folder / n) == rec["sha256"] for n, rec in manifest["files"].items())
     figures = {f["quant"]: f for f in exported.gguf["files"]}
     assert figures["f16"]["greedy_equal"] == figures["f16"]["prompts"] == len(cfg.eval.prompts)
-    assert figures["q8_0"]["top1_agree"] >= cfg.export.gguf_min_top1["q8_0"]
+    assert figures["q8_0"]["top1_agree"] >= cfg.export.gguf_min_top1.q8_0
     assert figures["q8_0"]["bytes"] < 0.7 * figures["f16"]["bytes"]
 
     _assert_greedy_equal(Path(exported.safetensors_dir), folder / "model-f16.gguf")
