@@ -91,12 +91,12 @@ def export_gguf(hf_dir: str | Path, final: str | Path, quants: list[str], *, pro
                                                          min(int(cfg["max_position_embeddings"]), 4096))
         (staged / MODELFILE_NAME).write_text(text)
         result.modelfile = str(final / MODELFILE_NAME)
+        for f in result.files:  # where they will be once renamed into place
+            f.file = str(final / Path(f.file).name)
         manifest = {"memfit_version": memfit.__version__, "format": "gguf", "verification": result.to_dict(),
                     "files": {p.name: file_record(p) for p in sorted(staged.iterdir()) if p.is_file()}}
         (staged / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
         commit_folder(staged, final)
-    for f in result.files:
-        f.file = str(final / Path(f.file).name)
     return result
 
 
