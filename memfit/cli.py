@@ -547,32 +547,9 @@ def export_cmd(
                                    overrides=set_, adapter=adapter, gguf="gguf" in (format_ or []), gguf_quants=quant)
     except MemfitError as err:
         _fail(err)
-    lines = [f"exported step {report['step']} of {report['checkpoint']}"]
-    if report["safetensors_dir"]:
-        lines.append(f"SafeTensors: {report['safetensors_dir']} "
-                     f"(reloaded, max |diff| {report['safetensors_max_abs_diff']:.2e})")
-    if report["onnx_path"]:
-        parity, c = report["onnx_parity"], report["onnx_criteria"]
-        shapes = ", ".join(f"{p['batch']}x{p['seq']}" for p in parity)
-        agree, positions = sum(p["top1_agree"] for p in parity), sum(p["positions"] for p in parity)
-        lines.append(f"ONNX: {report['onnx_path']} (opset {report['onnx_opset']}); parity max |onnxruntime - "
-                     f"PyTorch| = {report['onnx_max_abs_diff']:.3e} over shapes {shapes}, "
-                     f"{max(p['relative'] for p in parity):.2g} of max |logit| (limit {c['rtol']:g}), "
-                     f"max KL {max(p['max_kl'] for p in parity):.2g} (limit {c['max_kl']:g}), "
-                     f"top-1 {agree}/{positions} (min {c['min_top1']:.0%}): within")
-    if report["adapter"]:
-        a = report["adapter"]
-        lines.append(f"adapter: {a['dir']} on base {a['base']}; peft-loaded vs merged max |diff| "
-                     f"{a['max_abs_diff']:.2e}, top-1 {a['top1_agree']:.0%}")
-    for f in (report["gguf"] or {}).get("files", []):
-        lines.append(f"GGUF {f['quant']}: {f['file']} ({f['bytes'] / 2**20:.1f} MiB); llama.cpp vs transformers: "
-                     f"greedy "
-                     f"{f['greedy_equal']}/{f['prompts']} prompts equal, top-1 {f['top1_agree']:.1%}, max KL "
-                     f"{f['max_kl']:.2g}")
-    if report["gguf"]:
-        lines.append(f"Modelfile: {report['gguf']['modelfile']}")
-    if report["uploaded_uri"]:
-        lines.append(f"uploaded: {report['uploaded_uri']} (manifest.json last)")
+    from memfit.release.from_checkpoint import export_lines
+
+    lines = export_lines(report)
     for line in lines:  # with --json the human lines go to stderr: stdout is the JSON object alone
         typer.echo(line, err=as_json)
     if as_json:

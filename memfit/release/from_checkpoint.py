@@ -299,6 +299,36 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
             "metadata": metadata, "adapter": verified, "gguf": gguf_report}
 
 
+def export_lines(report: dict[str, Any]) -> list[str]:
+    """`memfit export`'s summary: one line per format written, with its verification figures."""
+    lines = [f"exported step {report['step']} of {report['checkpoint']}"]
+    if report["safetensors_dir"]:
+        lines.append(f"SafeTensors: {report['safetensors_dir']} "
+                     f"(reloaded, max |diff| {report['safetensors_max_abs_diff']:.2e})")
+    if report["onnx_path"]:
+        parity, c = report["onnx_parity"], report["onnx_criteria"]
+        shapes = ", ".join(f"{p['batch']}x{p['seq']}" for p in parity)
+        agree, positions = sum(p["top1_agree"] for p in parity), sum(p["positions"] for p in parity)
+        lines.append(f"ONNX: {report['onnx_path']} (opset {report['onnx_opset']}); parity max |onnxruntime - "
+                     f"PyTorch| = {report['onnx_max_abs_diff']:.3e} over shapes {shapes}, "
+                     f"{max(p['relative'] for p in parity):.2g} of max |logit| (limit {c['rtol']:g}), "
+                     f"max KL {max(p['max_kl'] for p in parity):.2g} (limit {c['max_kl']:g}), "
+                     f"top-1 {agree}/{positions} (min {c['min_top1']:.0%}): within")
+    if report["adapter"]:
+        a = report["adapter"]
+        lines.append(f"adapter: {a['dir']} on base {a['base']}; peft-loaded vs merged max |diff| "
+                     f"{a['max_abs_diff']:.2e}, top-1 {a['top1_agree']:.0%}")
+    for f in (report["gguf"] or {}).get("files", []):
+        lines.append(f"GGUF {f['quant']}: {f['file']} ({f['bytes'] / 2**20:.1f} MiB); llama.cpp vs transformers: "
+                     f"greedy {f['greedy_equal']}/{f['prompts']} prompts equal, top-1 {f['top1_agree']:.1%}, max KL "
+                     f"{f['max_kl']:.2g}")
+    if report["gguf"]:
+        lines.append(f"Modelfile: {report['gguf']['modelfile']}")
+    if report["uploaded_uri"]:
+        lines.append(f"uploaded: {report['uploaded_uri']} (manifest.json last)")
+    return lines
+
+
 def _check_adapter_export(cfg: Any, loaded: LoadedCheckpoint) -> None:
     """--adapter needs a LoRA checkpoint and a base that outlives the export (not a preset rebuilt in a temp dir)."""
     from memfit.models.lora import is_lora_state
