@@ -258,10 +258,13 @@ class ServeConfig(Section):
 
     host: str = Field("127.0.0.1", min_length=1, description="Address to listen on (0.0.0.0 in a container).")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
-    backend: Literal["auto", "transformers", "onnx"] = Field(
+    backend: Literal["auto", "transformers", "onnx", "llama.cpp"] = Field(
         "auto", description="transformers: the SafeTensors export with generate (KV cache); onnx: the ONNX export "
-        "through onnxruntime (CPU; no KV cache in the graph); auto: onnx on CPU when the export has one (measured "
-        "faster, docs/serving.md), else transformers.")
+        "through onnxruntime (CPU; no KV cache in the graph); llama.cpp: the export's GGUF file (serve.gguf_quant) "
+        "through llama-cpp-python (KV cache; a batch's sequences take turns); auto: onnx on CPU when the export has "
+        "one (measured faster, docs/serving.md), else transformers.")
+    gguf_quant: Literal["f16", "q8_0", "q4_k_m"] = Field("q8_0", description="serve.backend=llama.cpp: which GGUF "
+                                                         "file of the export (gguf/model-QUANT.gguf) is served.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="transformers backend: auto is CUDA when "
                                                    "present, else CPU.")
     max_batch_size: int = Field(8, ge=1, le=256, description="Requests generated together in one batch.")

@@ -169,3 +169,37 @@ def test_a_wrong_conversion_is_caught_by_llama_cpp_in_one_line(tmp_path, monkeyp
         export_gguf(folder, tmp_path / "gguf", ["f16"], prompts=PROMPTS, min_top1={"f16": 0.98})
     assert "\n" not in str(err.value)
     assert not (tmp_path / "gguf").exists()  # nothing half-written
+
+
+def test_serve_model_serves_the_gguf_through_llama_cpp_like_transformers(llama_run):
+    """serve.backend=llama.cpp answers greedy completions as the transformers backend does (f16), also when two
+    requests share a batch (their llama.cpp states take turns); an export without the quant is one line."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from memfit.errors import ModelLoadError
+    from memfit.server.run import start_in_thread
+
+    cfg, exported = llama_run
+    folder = str(Path(cfg.export.dir))
+
+    def answers(backend: str, quant: str = "f16") -> list[str]:
+        served = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={
+            "backend": backend, "gguf_quant": quant, "follow_alias": False, "batch_wait_ms": 200.0})})
+        running = start_in_thread(served, folder, port=0)
+        try:
+            def ask(prompt: str) -> str:
+                r = httpx.post(f"{running.url}/v1/completions", timeout=60,
+                               json={"model": "export", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            with ThreadPoolExecutor(2) as pool:
+                return list(pool.map(ask, PROMPTS[:2])) + [ask(PROMPTS[2])]
+        finally:
+            running.stop()
+
+    assert answers("llama.cpp") == answers("transformers")
+    with pytest.raises(ModelLoadError, match="no model-q4_k_m.gguf"):
+        answers("llama.cpp", "q4_k_m")
