@@ -203,3 +203,12 @@ def test_serve_model_serves_the_gguf_through_llama_cpp_like_transformers(llama_r
     assert answers("llama.cpp") == answers("transformers")
     with pytest.raises(ModelLoadError, match="no model-q4_k_m.gguf"):
         answers("llama.cpp", "q4_k_m")
+
+
+def test_gguf_for_a_family_without_mapping_stops_before_training(tiny_config):
+    from memfit.errors import ConfigError
+    from memfit.preflight import preflight
+
+    with pytest.raises(ConfigError, match="GPT-2 keeps fused Conv1D") as err:
+        preflight(tiny_config(**{"export.formats": "[safetensors,gguf]", "model.preset": "tiny-gpt2"}))
+    assert "\n" not in str(err.value)
