@@ -135,6 +135,7 @@ def _write_vocab(writer: Any, hf_dir: Path, vocab_size: int, tokenizer: Any) -> 
     if byte_fallback:
         vocab = gguf.LlamaHfVocab(hf_dir)
         tokens, scores, types = (list(x) for x in zip(*vocab.all_tokens(), strict=True))
+        scores = _merge_scores(doc, tokens, scores)
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")
     elif doc["model"].get("type") == "BPE":
@@ -153,6 +154,18 @@ def _write_vocab(writer: Any, hf_dir: Path, vocab_size: int, tokenizer: Any) -> 
     special = gguf.SpecialVocab(hf_dir, load_merges=not byte_fallback, n_vocab=vocab_size)
     special.chat_template = chat_template_for_gguf(tokenizer.chat_template)
     special.add_to_gguf(writer)
+
+
+def _merge_scores(doc: dict[str, Any], tokens: list[str], scores: list[float]) -> list[float]:
+    """llama.cpp's SentencePiece tokenizer merges the adjacent pair whose result scores highest; gguf.LlamaHfVocab
+    gives every token -1000 (a tokenizer.json has no scores), so the merge order is lost. A token made by merge
+    number r scores -r: the tokenizer's own merge order (the verification compares token ids on the prompts)."""
+    rank = {}
+    for r, merge in enumerate(doc["model"].get("merges", [])):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        rank.setdefault(left + right, r)
+    texts = [(t.decode("utf-8", "replace") if isinstance(t, bytes) else t).replace(" ", "\u2581") for t in tokens]
+    return [-float(rank[t]) if t in rank else s for t, s in zip(texts, scores, strict=True)]
 
 
 def _bpe_tokens(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[int]]:

@@ -212,3 +212,41 @@ def test_gguf_for_a_family_without_mapping_stops_before_training(tiny_config):
     with pytest.raises(ConfigError, match="GPT-2 keeps fused Conv1D") as err:
         preflight(tiny_config(**{"export.formats": "[safetensors,gguf]", "model.preset": "tiny-gpt2"}))
     assert "\n" not in str(err.value)
+
+
+def _sentencepiece_style_llama(folder: Path) -> Path:
+    """A Llama with a tokenizer like Llama 2's / Mistral's tokenizer.json: BPE on ▁-joined text with byte fallback,
+    <s> prepended; trained here (no tokenizer.model, so no SentencePiece scores)."""
+    from chat_support import conversation_texts
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    from memfit.data.templates import PRESET_CHAT_TEMPLATE
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    tok.train_from_iterator(conversation_texts(), trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                                                      show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="</s>")
+    fast.chat_template = PRESET_CHAT_TEMPLATE
+    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+                      eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+def test_a_sentencepiece_style_tokenizer_tokenizes_alike_in_llama_cpp(tmp_path):
+    """llama.cpp's SPM tokenizer merges by score; the scores memfit derives from the merge order give the same ids."""
+    from memfit.release.gguf_export import export_gguf
+
+    folder = _sentencepiece_style_llama(tmp_path / "spm")
+    res = export_gguf(folder, tmp_path / "gguf", ["f16"], prompts=PROMPTS, min_top1={"f16": 0.98})
+    assert res.files[0].greedy_equal == len(PROMPTS) and res.chat_template_equal
