@@ -112,9 +112,8 @@ def test_a_llama_run_exports_gguf_that_llama_cpp_runs_like_transformers(llama_ru
     assert "q8_0: greedy" in run.data.tags["memfit.format.gguf"]
     logged = {a.path for a in client.list_artifacts(run.info.run_id, "export/gguf")}
     assert {"export/gguf/model-q8_0.gguf", "export/gguf/Modelfile"} <= logged
-    if exported.registry and exported.registry.get("version"):
-        version = client.get_model_version(exported.registry["model_name"], exported.registry["version"])
-        assert version.tags["memfit.format.gguf"] == run.data.tags["memfit.format.gguf"]
+    version = client.get_model_version(exported.registry["model_name"], exported.registry["version"])
+    assert version.tags["memfit.format.gguf"] == run.data.tags["memfit.format.gguf"]
 
 
 def test_memfit_export_writes_one_quant_from_a_training_checkpoint(llama_run, tmp_path):
@@ -184,14 +183,16 @@ def test_serve_model_serves_the_gguf_through_llama_cpp_like_transformers(llama_r
     cfg, exported = llama_run
     folder = str(Path(cfg.export.dir))
 
-    def answers(backend: str, quant: str = "f16") -> list[str]:
+    def answers(backend: str, quant: str = "f16", model: str = folder) -> list[str]:
         served = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={
-            "backend": backend, "gguf_quant": quant, "follow_alias": False, "batch_wait_ms": 200.0})})
-        running = start_in_thread(served, folder, port=0)
+            "backend": backend, "gguf_quant": quant, "follow_alias": False, "batch_wait_ms": 200.0,
+            "cache_dir": str(Path(cfg.run.work_dir) / "serve")})})
+        running = start_in_thread(served, model, port=0)
         try:
             def ask(prompt: str) -> str:
                 r = httpx.post(f"{running.url}/v1/completions", timeout=60,
-                               json={"model": "export", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+                               json={"model": running.state.holder.current.files.name, "prompt": prompt,
+                                     "max_tokens": 8, "temperature": 0})
                 assert r.status_code == 200, r.text
                 return r.json()["choices"][0]["text"]
 
@@ -200,7 +201,10 @@ def test_serve_model_serves_the_gguf_through_llama_cpp_like_transformers(llama_r
         finally:
             running.stop()
 
-    assert answers("llama.cpp") == answers("transformers")
+    want = answers("transformers")
+    assert answers("llama.cpp") == want and any(want)
+    assert exported.registry["version"]  # the registry version's export/gguf artifact, served
+    assert answers("llama.cpp", model=f"models:/{exported.registry['model_name']}@champion") == want
     with pytest.raises(ModelLoadError, match="no model-q4_k_m.gguf"):
         answers("llama.cpp", "q4_k_m")
 
