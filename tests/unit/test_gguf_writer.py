@@ -3,14 +3,10 @@ Modelfile converted from each built-in chat template, and the one-line refusals 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from memfit.data.templates import CHATML_TEMPLATE, LLAMA3_TEMPLATE, PRESET_CHAT_TEMPLATE
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 pytestmark = pytest.mark.unit
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi {{ there }}"},
                 {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2 + 2?"}]
