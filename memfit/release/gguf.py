@@ -153,6 +153,10 @@ def _write_vocab(writer: Any, hf_dir: Path, vocab_size: int, tokenizer: Any) -> 
         writer.add_token_scores(scores + [-1000.0] * max(pad, 0))
     special = gguf.SpecialVocab(hf_dir, load_merges=not byte_fallback, n_vocab=vocab_size)
     special.chat_template = chat_template_for_gguf(tokenizer.chat_template)
+    # What the tokenizer itself adds, written out: llama.cpp's default differs by pre-tokenizer (Llama 3's adds <bos>).
+    with_special, plain = tokenizer("x")["input_ids"], tokenizer("x", add_special_tokens=False)["input_ids"]
+    special.add_special_token["bos"] = len(with_special) > len(plain) and with_special[0] == tokenizer.bos_token_id
+    special.add_special_token["eos"] = len(with_special) > len(plain) and with_special[-1] == tokenizer.eos_token_id
     special.add_to_gguf(writer)
 
 

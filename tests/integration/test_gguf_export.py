@@ -254,3 +254,35 @@ def test_a_sentencepiece_style_tokenizer_tokenizes_alike_in_llama_cpp(tmp_path):
     folder = _sentencepiece_style_llama(tmp_path / "spm")
     res = export_gguf(folder, tmp_path / "gguf", ["f16"], prompts=PROMPTS, min_top1={"f16": 0.98})
     assert res.files[0].greedy_equal == len(PROMPTS) and res.chat_template_equal
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_llama3_and_qwen2_pre_tokenizers_split_text_as_llama_cpp_does(tmp_path, pre):
+    """Byte-level BPE behind Llama 3's / Qwen2's split regex (digits, punctuation, newlines), trained here: llama.cpp
+    knows the regex by name (memfit reads it from tokenizer.json) and gives the same ids; no <bos> added by either."""
+    from chat_support import conversation_texts
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    from memfit.release.gguf import _PRE_BY_REGEX
+    from memfit.release.gguf_export import export_gguf
+
+    regex = next(r for r, name in _PRE_BY_REGEX.items() if name == pre)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(conversation_texts() + ["12345 678, it's 3.14!\n\n  x"], trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
+                      eos_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    fast.save_pretrained(tmp_path / "m")
+    prompts = ["one two three", "12345 678, it's 3.14!", "the red fox\n\n  jumps"]
+    res = export_gguf(tmp_path / "m", tmp_path / "gguf", ["f16"], prompts=prompts, min_top1={"f16": 0.98})
+    assert res.files[0].greedy_equal == len(prompts)
