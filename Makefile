@@ -4,6 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memfit-installed
+GGUF_STAMP := $(VENV)/.memfit-gguf-installed
+# make test also installs the gguf extra (llama-cpp-python, which compiles llama.cpp: ~12 min on 2 cores the first
+# time, seconds once pip has cached the wheel) so the GGUF exports are checked by llama.cpp; GGUF=0 skips it and
+# those tests skip. make run never needs it.
+GGUF ?= 1
 # CPU wheel by default (it lies on this machine's disk). GPU machines, e.g.:
 #   make run TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_SPEC ?= torch==2.13.0
@@ -28,6 +33,13 @@ $(STAMP): pyproject.toml constraints.txt
 		>>$(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
 	@touch $(STAMP)
 
+$(GGUF_STAMP): $(STAMP)
+	@echo "installing llama-cpp-python for the GGUF tests (log: $(VENV)/install-gguf.log)"
+	@start=$$(date +%s); CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip install -c constraints.txt \
+		-e '.[gguf]' >$(VENV)/install-gguf.log 2>&1 || { cat $(VENV)/install-gguf.log; exit 1; }; \
+		echo "llama-cpp-python installed in $$(( $$(date +%s) - start )) s"
+	@touch $@
+
 run: $(STAMP)
 	$(BIN)/memfit run $(CONFIG)
 
@@ -37,7 +49,7 @@ run: $(STAMP)
 # 2 cores, 2026-12-02: one process 2367 s, two workers 1459 s (docs/testing.md). TEST_WORKERS=0: one process.
 # The 30 slowest tests are listed at the end, so every CI log says where the suite's time goes.
 TEST_WORKERS ?= 2
-test: lint
+test: lint $(if $(filter 1,$(GGUF)),$(GGUF_STAMP))
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 test-fast: $(STAMP)

@@ -1,12 +1,15 @@
 """memfit serve-model under bounded load: N concurrent clients on 127.0.0.1, p50/p95 latency and tokens/s per backend.
 
-    PYTHONPATH=. python bench/serve_bench.py [--model MODEL] [--clients 1,4,8] [--requests 24] [--max-tokens 32]
+    PYTHONPATH=. python bench/serve_bench.py [--model MODEL] [--backends transformers,onnx,llama.cpp:f16,llama.cpp:q8_0]
+        [--clients 1,4,8] [--requests 24] [--max-tokens 32]
 
-Without --model it trains the tiny champion (configs/tiny.yaml, a few steps, SafeTensors + ONNX, registered in a
-SQLite MLflow store in a temporary folder) and serves models:/tiny@champion. Each backend gets its own server in
-this process, on a free port of 127.0.0.1; for each client count, every client sends its share of --requests
-greedy completions one after another (a different prompt each, max_tokens fixed), so the server sees at most N
-requests at once. Latency is a request's time to its last byte; tokens/s is completion tokens over wall time.
+Without --model it trains the tiny champion (configs/tiny.yaml, a few steps, SafeTensors + ONNX, and GGUF f16 + q8_0
+when a llama.cpp backend is asked for; registered in a SQLite MLflow store in a temporary folder) and serves
+models:/tiny@champion. A backend `llama.cpp:QUANT` serves the export's GGUF file of that quant (serve.gguf_quant).
+Each backend gets its own server in this process, on a free port of 127.0.0.1; for each client count, every client
+sends its share of --requests greedy completions one after another (a different prompt each, max_tokens fixed), so
+the server sees at most N requests at once. Latency is a request's time to its last byte; tokens/s is completion
+tokens over wall time.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="MODEL to serve (default: a freshly trained tiny champion)")
     ap.add_argument("--config", type=Path, help="config for --model (tracking.uri, serve.*)")
-    ap.add_argument("--backends", default="transformers,onnx")
+    ap.add_argument("--backends", default="transformers,onnx", help="comma-separated: transformers, onnx, "
+                    "llama.cpp:f16, llama.cpp:q8_0, llama.cpp:q4_k_m")
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--requests", type=int, default=24, help="requests per client count, split over the clients")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -82,12 +86,15 @@ def main() -> None:
     else:
         from serve_support import train_champion
 
+        quants = sorted({b.partition(":")[2] or "q8_0" for b in args.backends.split(",") if b.startswith("llama.cpp")})
+        gguf = {"export.formats": "[safetensors,onnx,gguf]", "export.gguf_quants": f"[{','.join(quants)}]"}
         print("training the tiny champion (a few steps, SafeTensors + ONNX) ...", file=sys.stderr)
-        cfg, _ = train_champion(Path(tmp.name), steps=8, onnx=True)
+        cfg, _ = train_champion(Path(tmp.name), steps=8, onnx=True, **(gguf if quants else {}))
     rows = []
     for backend in args.backends.split(","):
+        kind, _, quant = backend.partition(":")
         run_cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={
-            "backend": backend, "max_batch_size": args.batch, "follow_alias": False})})
+            "backend": kind, "gguf_quant": quant or "q8_0", "max_batch_size": args.batch, "follow_alias": False})})
         server = start_in_thread(run_cfg, args.model, port=0)
         try:
             load(server.url, 2, 4, args.max_tokens)  # warm-up: first-call allocations, onnxruntime's arenas
@@ -104,9 +111,10 @@ def main() -> None:
               f"{r['errors']} |")
     by = {(b, c): r["tokens_per_s"] for b, c, r in rows}
     for clients in sorted({c for _, c, _ in rows}):
-        if ("onnx", clients) in by and ("transformers", clients) in by:
-            print(f"onnx / transformers tokens/s at {clients} clients: "
-                  f"{by['onnx', clients] / by['transformers', clients]:.2f}x")
+        for other in (b for b, c, _ in rows if c == clients and b != "transformers"):
+            if ("transformers", clients) in by:
+                print(f"{other} / transformers tokens/s at {clients} clients: "
+                      f"{by[other, clients] / by['transformers', clients]:.2f}x")
     tmp.cleanup()
 
 

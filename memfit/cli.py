@@ -532,6 +532,11 @@ def export_cmd(
                                                                 "s3://bucket/prefix), manifest last.")] = None,
     adapter: Annotated[bool, typer.Option("--adapter", help="LoRA checkpoints: also write OUT/adapter (a peft "
                                                             "folder), verified with peft on its base.")] = False,
+    format_: Annotated[list[str] | None, typer.Option("--format", help="Formats to write (repeat it): "
+                                                      "safetensors, onnx, adapter, gguf; SafeTensors always. Given, it "
+                                                      "replaces --onnx/--adapter.")] = None,
+    quant: Annotated[list[str] | None, typer.Option("--quant", help="GGUF files to write (repeat it): f16, q8_0, "
+                                                    "q4_k_m. Unset: the checkpoint's export.gguf_quants.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Export a training checkpoint to a verified SafeTensors folder and ONNX file (config from the checkpoint)."""
@@ -540,29 +545,18 @@ def export_cmd(
         with collector_paused(freeze=_OWN_PROCESS):
             from memfit.release.from_checkpoint import export_checkpoint
 
+        if format_:
+            unknown = sorted(set(format_) - {"safetensors", "onnx", "adapter", "gguf"})
+            if unknown:
+                raise ConfigError(f"--format {', '.join(unknown)}: not a format (safetensors, onnx, adapter, gguf)")
+            onnx, adapter = "onnx" in format_, "adapter" in format_
         report = export_checkpoint(checkpoint_uri, out, onnx=onnx, onnx_only=onnx_only, upload_uri=upload,
-                                   overrides=set_, adapter=adapter)
+                                   overrides=set_, adapter=adapter, gguf="gguf" in (format_ or []), gguf_quants=quant)
     except MemfitError as err:
         _fail(err)
-    lines = [f"exported step {report['step']} of {report['checkpoint']}"]
-    if report["safetensors_dir"]:
-        lines.append(f"SafeTensors: {report['safetensors_dir']} "
-                     f"(reloaded, max |diff| {report['safetensors_max_abs_diff']:.2e})")
-    if report["onnx_path"]:
-        parity, c = report["onnx_parity"], report["onnx_criteria"]
-        shapes = ", ".join(f"{p['batch']}x{p['seq']}" for p in parity)
-        agree, positions = sum(p["top1_agree"] for p in parity), sum(p["positions"] for p in parity)
-        lines.append(f"ONNX: {report['onnx_path']} (opset {report['onnx_opset']}); parity max |onnxruntime - "
-                     f"PyTorch| = {report['onnx_max_abs_diff']:.3e} over shapes {shapes}, "
-                     f"{max(p['relative'] for p in parity):.2g} of max |logit| (limit {c['rtol']:g}), "
-                     f"max KL {max(p['max_kl'] for p in parity):.2g} (limit {c['max_kl']:g}), "
-                     f"top-1 {agree}/{positions} (min {c['min_top1']:.0%}): within")
-    if report["adapter"]:
-        a = report["adapter"]
-        lines.append(f"adapter: {a['dir']} on base {a['base']}; peft-loaded vs merged max |diff| "
-                     f"{a['max_abs_diff']:.2e}, top-1 {a['top1_agree']:.0%}")
-    if report["uploaded_uri"]:
-        lines.append(f"uploaded: {report['uploaded_uri']} (manifest.json last)")
+    from memfit.release.from_checkpoint import export_lines
+
+    lines = export_lines(report)
     for line in lines:  # with --json the human lines go to stderr: stdout is the JSON object alone
         typer.echo(line, err=as_json)
     if as_json:

@@ -75,6 +75,10 @@ def preflight(cfg: MemfitConfig) -> None:
     if cfg.export.adapter and cfg.lora.enabled is False:
         raise ConfigError("export.adapter: this run trains all weights (lora.enabled is false), so there is no "
                           "adapter to export; set lora.enabled=true (or auto) or drop export.adapter")
+    if "gguf" in cfg.export.enabled_formats():  # an unmapped family or a missing package: now, not after training
+        from memfit.release.gguf import check_gguf_export
+
+        check_gguf_export(_model_type(cfg.model), cfg.export.gguf_quants)
     # S3 too: a missing bucket, bad credentials or a down endpoint fail here, in seconds, not after the probe.
     open_checkpoint_store(cfg).check_writable()
     from memfit.tracking import check_tracking
@@ -90,3 +94,14 @@ def preflight(cfg: MemfitConfig) -> None:
         from memfit.storage import open_store
 
         open_store(cfg.export.uri).check_writable()
+
+
+def _model_type(model: ModelConfig) -> str | None:
+    """The HF model_type a run trains: the preset's, or a local folder's config.json; None for a hub id (phase 5
+    checks the downloaded config)."""
+    import json
+
+    if model.name_or_path is None:
+        return {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}[model.preset]
+    config = Path(model.name_or_path) / "config.json"
+    return json.loads(config.read_text()).get("model_type", "") if config.is_file() else None

@@ -125,6 +125,8 @@ class ExportReport(_Report):
                                    "redoes it); everything else in phase 5 completed.")
     adapter: dict[str, Any] | None = Field(None, description="The LoRA adapter folder (export.adapter): its base, "
                                            "base checksum, and base + adapter against the merged export.")
+    gguf: dict[str, Any] | None = Field(None, description="The GGUF folder (export.formats: gguf): each file's "
+                                        "size and figures from llama.cpp against transformers, the Modelfile.")
     task_scores: dict[str, float] = Field(default_factory=dict, description="eval.tasks' scores on the export: "
                                           "eval/TASK/METRIC and its _stderr (memfit/evaluation/tasks.py).")
 

@@ -14,9 +14,38 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+ExportFormat = Literal["safetensors", "onnx", "adapter", "gguf"]
+GgufQuant = Literal["f16", "q8_0", "q4_k_m"]
+
+
+class GgufMinTop1(Section):
+    """Per GGUF file: the min fraction of positions (the eval prompts, then transformers' greedy tokens after them)
+    whose top-1 token from llama.cpp equals transformers'. Measured on tiny models in docs/export.md."""
+
+    f16: float = Field(0.98, ge=0.0, le=1.0, description="f16 (which must also give transformers' greedy tokens on "
+                       "every prompt). Measured: 100% (Llama, Mistral, Qwen2, Qwen3, Phi-3 tiny models).")
+    q8_0: float = Field(0.9, ge=0.0, le=1.0, description="q8_0 (8-bit blocks). Measured: 96.7% to 100% on "
+                        "random-weight tiny models, whose near-flat logits flip near-ties.")
+    q4_k_m: float = Field(0.5, ge=0.0, le=1.0, description="q4_k_m (4-bit k-quant; rows narrower than 256 fall back "
+                          "to 5- and 8-bit blocks). Measured: 93% on a random-weight tiny Llama.")
+
+
 class ExportConfig(Section):
-    dir: str = Field("runs/export", description="Folder for the SafeTensors HF folder and the ONNX file.")
-    onnx: bool = Field(True, description="Also export and verify ONNX.")
+    dir: str = Field("runs/export", description="Folder for the exports: hf/ (SafeTensors), model.onnx, adapter/, "
+                     "gguf/.")
+    formats: list[ExportFormat] | None = Field(
+        None, description="The exports phase 5 and `memfit export` write, each verified in the runtime that loads "
+        "it: safetensors (the merged HF folder, always: every other format is made from it and checked against it), "
+        "onnx (onnxruntime parity), adapter (LoRA runs: the peft folder), gguf (llama.cpp / Ollama: "
+        "export.gguf_quants, checked by llama-cpp-python; needs `pip install 'memfit[gguf]'`). Unset: safetensors, "
+        "plus onnx and adapter as export.onnx and export.adapter say (their older spelling, kept in step).")
+    gguf_quants: list[GgufQuant] = Field(
+        default_factory=lambda: ["f16", "q8_0"], min_length=1, description="GGUF files written to export.dir/gguf: "
+        "f16 (the gguf package, llama.cpp's tensor names), q8_0 and q4_k_m (llama.cpp's own quantizer from the f16 "
+        "file). The Modelfile's FROM is the first quantized one listed, else f16.")
+    gguf_min_top1: GgufMinTop1 = Field(default_factory=lambda: GgufMinTop1(), description="Per GGUF file: the "
+                                       "min top-1 agreement with transformers that verification accepts.")
+    onnx: bool = Field(True, description="Also export and verify ONNX (the same as listing onnx in export.formats).")
     adapter: bool = Field(False, description="LoRA runs: also write the adapter alone as a peft folder "
                           "(export.dir/adapter: adapter weights and config naming the base, the tokenizer and chat "
                           "template, the base's checksum) for multi-LoRA serving (vLLM, TGI), verified by loading "
@@ -46,6 +75,27 @@ class ExportConfig(Section):
         "base dequantized); the ONNX export and its parity check stay fp32.")
     uri: str | None = Field(None, description="Also upload the verified export here (a folder or "
                             "s3://bucket/prefix), files first and a manifest.json last. Unset: local only.")
+
+    @model_validator(mode="after")
+    def _formats_and_flags_agree(self) -> ExportConfig:
+        if self.formats is None:
+            return self
+        if "safetensors" not in self.formats:
+            raise ValueError("export.formats: safetensors is the export every other format is made from and "
+                             "checked against; keep it in the list")
+        for flag in ("onnx", "adapter"):
+            listed = flag in self.formats
+            if flag in self.model_fields_set and getattr(self, flag) != listed:
+                raise ValueError(f"export.{flag}={str(getattr(self, flag)).lower()} contradicts export.formats "
+                                 f"{self.formats}; set only export.formats")
+            self.__dict__[flag] = listed  # kept in step without re-validating (validate_assignment)
+        return self
+
+    def enabled_formats(self) -> list[str]:
+        """The formats to write, in the order they are written."""
+        chosen = self.formats or ["safetensors", *(["onnx"] if self.onnx else []),
+                                  *(["adapter"] if self.adapter else [])]
+        return [f for f in ("safetensors", "onnx", "adapter", "gguf") if f in chosen]
 
 
 class MetricGate(Section):
@@ -208,10 +258,13 @@ class ServeConfig(Section):
 
     host: str = Field("127.0.0.1", min_length=1, description="Address to listen on (0.0.0.0 in a container).")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on.")
-    backend: Literal["auto", "transformers", "onnx"] = Field(
+    backend: Literal["auto", "transformers", "onnx", "llama.cpp"] = Field(
         "auto", description="transformers: the SafeTensors export with generate (KV cache); onnx: the ONNX export "
-        "through onnxruntime (CPU; no KV cache in the graph); auto: onnx on CPU when the export has one (measured "
-        "faster, docs/serving.md), else transformers.")
+        "through onnxruntime (CPU; no KV cache in the graph); llama.cpp: the export's GGUF file (serve.gguf_quant) "
+        "through llama-cpp-python (KV cache; a batch's sequences take turns); auto: onnx on CPU when the export has "
+        "one (measured faster, docs/serving.md), else transformers.")
+    gguf_quant: Literal["f16", "q8_0", "q4_k_m"] = Field("q8_0", description="serve.backend=llama.cpp: which GGUF "
+                                                         "file of the export (gguf/model-QUANT.gguf) is served.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="transformers backend: auto is CUDA when "
                                                    "present, else CPU.")
     max_batch_size: int = Field(8, ge=1, le=256, description="Requests generated together in one batch.")

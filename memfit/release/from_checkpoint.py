@@ -1,4 +1,4 @@
-"""From trained weights to delivered exports: any training checkpoint → verified SafeTensors + ONNX, uploaded."""
+"""From trained weights to delivered exports: any training checkpoint → verified SafeTensors, ONNX, GGUF, uploaded."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ class ExportFiles:
     onnx_parity: list[dict[str, Any]] | None = None  # memfit.release.parity.ShapeParity per verification shape
     onnx_criteria: dict[str, float] | None = None
     onnx_error: str | None = None  # why the ONNX export failed; the SafeTensors export is still valid
+    gguf_dir: str | None = None  # the verified GGUF folder (gguf_export.py), uploaded with the rest
     uploaded_uri: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -179,6 +180,9 @@ def _export_paths(files: ExportFiles) -> dict[str, Path]:
         for p in (onnx, onnx.with_name(onnx.name + ".data"), onnx.with_name(onnx.name + ".memfit.json")):
             if p.is_file():
                 paths[p.relative_to(out).as_posix()] = p
+    if files.gguf_dir:
+        paths.update({f"{Path(files.gguf_dir).name}/{p.name}": p for p in sorted(Path(files.gguf_dir).iterdir())
+                      if p.is_file()})
     return paths
 
 
@@ -225,7 +229,8 @@ def download_export(uri: str, dest: str | Path) -> Path:
 
 def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_only: bool = False,
                       upload_uri: str | None = None, overrides: list[str] | None = None,
-                      adapter: bool = False) -> dict[str, Any]:
+                      adapter: bool = False, gguf: bool = False,
+                      gguf_quants: list[str] | None = None) -> dict[str, Any]:
     """`memfit export`: any training checkpoint (local or S3) → verified exports in out_dir (and upload_uri).
 
     `onnx_only` redoes just out_dir/model.onnx and leaves out_dir/hf alone; `overrides` (`export.onnx_rtol=…`)
@@ -233,6 +238,8 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
     """
     from memfit.runtime.env import pin_threads
 
+    if onnx_only and gguf:
+        raise ConfigError("--onnx-only exports only model.onnx; GGUF is made from the SafeTensors folder: drop one")
     if onnx_only and (upload_uri or not onnx):
         raise ConfigError("--onnx-only exports only model.onnx: it cannot be combined with --no-onnx or --upload "
                           "(an upload needs the whole export; run without --onnx-only)")
@@ -243,6 +250,11 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
         if adapter:
             _check_adapter_export(cfg, loaded)
         model, tokenizer = model_for_checkpoint(cfg, Path(tmp) / "work")
+        quants = list(gguf_quants or cfg.export.gguf_quants)
+        if gguf:  # before minutes of export work: the family, the quant types, the packages
+            from memfit.release.gguf import check_gguf_export
+
+            check_gguf_export(model.config.model_type, quants)
         try:
             from memfit.models.lora import adapted_from_state, merge_lora
 
@@ -262,6 +274,14 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
         files = export_model(model, tokenizer, out_dir, onnx=onnx, safetensors=not onnx_only,
                              criteria=parity_criteria(cfg.export), opset=cfg.export.opset, metadata=metadata,
                              dtype=cfg.export.dtype)
+        gguf_report = None
+        if gguf:
+            from memfit.release.gguf_export import GGUF_DIR, export_gguf
+
+            gguf_report = export_gguf(files.safetensors_dir, Path(out_dir) / GGUF_DIR, quants,
+                                      prompts=cfg.eval.prompts, min_top1=cfg.export.gguf_min_top1.model_dump(),
+                                      max_new_tokens=cfg.eval.max_new_tokens, name=cfg.run.name).to_dict()
+            files.gguf_dir = gguf_report["dir"]
         verified = None
         if adapter:  # base + adapter through peft against the merged model, before anything is uploaded
             from memfit.release.adapter import verify_adapter
@@ -276,7 +296,37 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
     if upload_uri:
         files.uploaded_uri = upload_export(files, upload_uri, metadata)
     return {"checkpoint": loaded.info.uri, "step": loaded.step, "run_name": cfg.run.name, **files.to_dict(),
-            "metadata": metadata, "adapter": verified}
+            "metadata": metadata, "adapter": verified, "gguf": gguf_report}
+
+
+def export_lines(report: dict[str, Any]) -> list[str]:
+    """`memfit export`'s summary: one line per format written, with its verification figures."""
+    lines = [f"exported step {report['step']} of {report['checkpoint']}"]
+    if report["safetensors_dir"]:
+        lines.append(f"SafeTensors: {report['safetensors_dir']} "
+                     f"(reloaded, max |diff| {report['safetensors_max_abs_diff']:.2e})")
+    if report["onnx_path"]:
+        parity, c = report["onnx_parity"], report["onnx_criteria"]
+        shapes = ", ".join(f"{p['batch']}x{p['seq']}" for p in parity)
+        agree, positions = sum(p["top1_agree"] for p in parity), sum(p["positions"] for p in parity)
+        lines.append(f"ONNX: {report['onnx_path']} (opset {report['onnx_opset']}); parity max |onnxruntime - "
+                     f"PyTorch| = {report['onnx_max_abs_diff']:.3e} over shapes {shapes}, "
+                     f"{max(p['relative'] for p in parity):.2g} of max |logit| (limit {c['rtol']:g}), "
+                     f"max KL {max(p['max_kl'] for p in parity):.2g} (limit {c['max_kl']:g}), "
+                     f"top-1 {agree}/{positions} (min {c['min_top1']:.0%}): within")
+    if report["adapter"]:
+        a = report["adapter"]
+        lines.append(f"adapter: {a['dir']} on base {a['base']}; peft-loaded vs merged max |diff| "
+                     f"{a['max_abs_diff']:.2e}, top-1 {a['top1_agree']:.0%}")
+    for f in (report["gguf"] or {}).get("files", []):
+        lines.append(f"GGUF {f['quant']}: {f['file']} ({f['bytes'] / 2**20:.1f} MiB); llama.cpp vs transformers: "
+                     f"greedy {f['greedy_equal']}/{f['prompts']} prompts equal, top-1 {f['top1_agree']:.1%}, max KL "
+                     f"{f['max_kl']:.2g}")
+    if report["gguf"]:
+        lines.append(f"Modelfile: {report['gguf']['modelfile']}")
+    if report["uploaded_uri"]:
+        lines.append(f"uploaded: {report['uploaded_uri']} (manifest.json last)")
+    return lines
 
 
 def _check_adapter_export(cfg: Any, loaded: LoadedCheckpoint) -> None:

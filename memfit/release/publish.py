@@ -31,12 +31,20 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
     """
     files = export_model(model, tokenizer, cfg.export.dir, onnx=cfg.export.onnx, criteria=parity_criteria(cfg.export),
                          opset=cfg.export.opset, metadata=meta, dtype=cfg.export.dtype)
+    gguf = None
+    if "gguf" in cfg.export.enabled_formats():  # from the SafeTensors folder just verified, checked by llama.cpp
+        from memfit.release.gguf_export import GGUF_DIR, export_gguf
+
+        gguf = export_gguf(files.safetensors_dir, Path(cfg.export.dir) / GGUF_DIR, cfg.export.gguf_quants,
+                           prompts=cfg.eval.prompts, min_top1=cfg.export.gguf_min_top1.model_dump(),
+                           max_new_tokens=cfg.eval.max_new_tokens, name=cfg.run.name)
+        tracker.log_metrics(gguf.metrics(), step=step)
     task_scores: dict[str, float] = {}
     if cfg.eval.tasks or cfg.eval.sets:  # the export as users will load it, and the champion, before the gate
         task_scores = judge(cfg, files.safetensors_dir, str(resolve_device(cfg.train.device)), tracker, step,
                             Path(cfg.run.work_dir) / "eval" / str(meta["mlflow_run_id"]), str(meta["mlflow_run_id"]))
         metrics = {**metrics, **task_scores}
-    tags = {}
+    tags = format_tags(files, adapter, gguf)
     onnx_error = None
     if files.onnx_max_abs_diff is not None:
         worst = max(files.onnx_parity, key=lambda p: p["relative"])
@@ -69,11 +77,14 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
     if adapter is not None:  # the peft folder for multi-LoRA serving, and how close base + adapter came
         tracker.log_metrics({"adapter_max_abs_diff": adapter.max_abs_diff, "adapter_max_kl": adapter.max_kl}, step)
         tracker.log_artifact(adapter.dir, "export/adapter")
+    if gguf is not None:
+        tracker.log_artifact(gguf.dir, "export/gguf")
     on_tracker(tracker, log_loss_curve, cfg.run.name)
     summary = {"val_loss": round(metrics["val_loss"], 5), "val_perplexity": round(metrics["val_perplexity"], 4),
                "onnx_max_abs_diff": files.onnx_max_abs_diff, "onnx_error": files.onnx_error,
                "export": files.dir, "uploaded_to": files.uploaded_uri,
                **({"adapter": adapter.dir, "adapter_max_abs_diff": adapter.max_abs_diff} if adapter else {}),
+               **({"gguf": gguf.dir} if gguf else {}),
                **{k: round(v, 4) for k, v in task_scores.items()
                   if k.startswith("eval/") and not k.endswith(("_stderr", "/examples"))},
                **({"gate": outcome.gate_reason, "registered": f"{outcome.model_name} v{outcome.version}"
@@ -85,7 +96,24 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                         onnx_opset=files.onnx_opset, source_checkpoint=str(meta["source_checkpoint"]),
                         export_uri=files.uploaded_uri, registry=outcome.to_dict() if outcome else None,
                         onnx_error=onnx_error, task_scores=task_scores,
-                        adapter=adapter.to_dict() if adapter else None)
+                        adapter=adapter.to_dict() if adapter else None, gguf=gguf.to_dict() if gguf else None)
+
+
+def format_tags(files: ExportFiles, adapter: AdapterExport | None, gguf: Any) -> dict[str, str]:
+    """memfit.format.NAME per written format, with its verification figures: on the run and the registry version."""
+    tags = {"memfit.formats": ",".join(n for n, done in (("safetensors", True), ("onnx", files.onnx_path),
+                                                        ("adapter", adapter), ("gguf", gguf)) if done),
+            "memfit.format.safetensors": f"reloaded max |diff| {files.safetensors_max_abs_diff:.2e}"}
+    if files.onnx_path:
+        tags["memfit.format.onnx"] = f"onnxruntime parity max |diff| {files.onnx_max_abs_diff:.2e}"
+    if adapter is not None:
+        tags["memfit.format.adapter"] = (f"peft on its base vs merged: max |diff| {adapter.max_abs_diff:.2e}, "
+                                         f"top-1 {adapter.top1_agree:.1%}")
+    if gguf is not None:
+        tags["memfit.format.gguf"] = "; ".join(
+            f"{f.quant}: greedy {f.greedy_equal}/{f.prompts}, top-1 {f.top1_agree:.1%}, max KL {f.max_kl:.2g}"
+            for f in gguf.files) + f"; chat template equal: {gguf.chat_template_equal}"
+    return tags
 
 
 def log_export_artifacts(tracker: Any, files: ExportFiles, weights_in_model: bool) -> None:

@@ -1,4 +1,5 @@
-"""Generation backends: the SafeTensors export with transformers generate, the ONNX export with onnxruntime.
+"""Generation backends: the SafeTensors export with transformers generate, the ONNX export with onnxruntime, a GGUF
+file with llama.cpp (llama-cpp-python).
 
 Both take a batch of token-id prompts and report one new token per sequence per step through `emit`; the
 engine decides when a sequence is done (end of text, its max_tokens, a stop string) and says so via `done`.
@@ -151,6 +152,60 @@ class OnnxBackend:
                     step[i] = int(tok)
             for i in live:
                 seqs[i].append(step[i])
+            emit(step)
+
+
+class LlamaCppBackend:
+    """A GGUF file through llama.cpp (llama-cpp-python), with its KV cache. One llama.cpp context holds one sequence:
+    a batch's sequences take turns, each one's state (its KV cache) saved and restored between its tokens."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf_path: Path, context: int):
+        import os
+
+        from llama_cpp import Llama
+
+        try:
+            self.llm = Llama(model_path=str(gguf_path), n_ctx=context, logits_all=True, verbose=False, seed=0,
+                             n_threads=os.cpu_count() or 1)
+        except (ValueError, RuntimeError) as err:
+            raise ModelLoadError(f"llama.cpp cannot load {gguf_path}: {str(err).splitlines()[0]}") from None
+        self.path = gguf_path
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        rows = []
+        for row in ids.tolist():
+            self.llm.reset()
+            self.llm.eval(row)
+            rows.append(np.array(self.llm.scores[: len(row)], dtype=np.float32))
+        return np.stack(rows)
+
+    def _last(self) -> np.ndarray:
+        return np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
+
+    def generate(self, prompts: list[list[int]], max_new: int, sampling: Sampling, emit: Emit, done: Done) -> None:
+        rng = np.random.default_rng(sampling.seed)
+        alone = len(prompts) == 1  # no state to swap
+        states, last = [], []
+        for prompt in prompts:
+            self.llm.reset()
+            self.llm.eval(prompt)
+            last.append(self._last())
+            states.append(None if alone else self.llm.save_state())
+        for _ in range(max_new):
+            live = [i for i, d in enumerate(done()) if not d]
+            if not live:
+                return
+            step = [0] * len(prompts)
+            for i in live:
+                if not alone:
+                    self.llm.load_state(states[i])
+                step[i] = int(pick(last[i][None], sampling, rng)[0])
+                self.llm.eval([step[i]])
+                last[i] = self._last()
+                if not alone:
+                    states[i] = self.llm.save_state()
             emit(step)
 
 

@@ -57,6 +57,11 @@ def choose_backend(setting: str, device: str, files: ModelFiles) -> str:
     tiny champion served 1.2-2x the tokens/s through onnxruntime at 1-8 clients; transformers otherwise (CUDA, or
     no ONNX export).
     """
+    if setting == "llama.cpp":
+        if files.gguf_dir is None:
+            raise ModelLoadError(f"serve.backend=llama.cpp but {files.model_id} has no GGUF export (gguf/); export it "
+                                 "(memfit export ... --format gguf, or gguf in export.formats)")
+        return "llama.cpp"
     if setting == "onnx":
         if files.onnx_path is None:
             raise ModelLoadError(f"serve.backend=onnx but {files.model_id} has no ONNX export (model.onnx); "
@@ -84,18 +89,42 @@ def load(files: ModelFiles, serve_cfg: Any) -> ServedModel:
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load the tokenizer of {files.model_id}: {str(err).splitlines()[0]}") from None
     kind = choose_backend(serve_cfg.backend, serve_cfg.device, files)
-    hf = TransformersBackend(files.hf_dir, tok, "cpu" if kind == "onnx" else serve_cfg.device)
-    backend: Any = hf
+    context = model_max_positions(backend_config(files))
+    if kind == "llama.cpp":  # checked against transformers at export (gguf_export.py); here: its checksums
+        from memfit.server.backends import LlamaCppBackend
+
+        backend: Any = LlamaCppBackend(gguf_file(files, serve_cfg.gguf_quant), context)
+    else:
+        hf = TransformersBackend(files.hf_dir, tok, "cpu" if kind == "onnx" else serve_cfg.device)
+        backend = hf
     if kind == "onnx":
         backend = OnnxBackend(files.onnx_path)
         check_parity(files, hf, backend)
         del hf
-    limits = Limits(context=model_max_positions(backend_config(files)), max_tokens=serve_cfg.max_tokens,
-                    default_max_tokens=serve_cfg.default_max_tokens)
+    limits = Limits(context=context, max_tokens=serve_cfg.max_tokens, default_max_tokens=serve_cfg.default_max_tokens)
     served = ServedModel(files, tok, backend, limits, tok.eos_token_id)
     smoke(served)
     log.info("loaded %s (%s backend, context %s tokens)", files.model_id, backend.name, limits.context)
     return served
+
+
+def gguf_file(files: ModelFiles, quant: str) -> Any:
+    """The export's model-QUANT.gguf, after every file of the GGUF folder matched its sha256."""
+    import json
+
+    from memfit.files import sha256_file
+    from memfit.release.gguf_export import MANIFEST_NAME
+
+    folder = files.gguf_dir
+    records = json.loads((folder / MANIFEST_NAME).read_text())["files"]
+    if f"model-{quant}.gguf" not in records:
+        raise ModelLoadError(f"{files.model_id}: no model-{quant}.gguf in {folder} (it has "
+                             f"{', '.join(n for n in records if n.endswith('.gguf'))}); set serve.gguf_quant")
+    for name, meta in records.items():
+        if sha256_file(folder / name) != meta["sha256"]:
+            raise ModelLoadError(f"{folder / name} does not match the sha256 in {MANIFEST_NAME}: the GGUF export is "
+                                 "incomplete or altered")
+    return folder / f"model-{quant}.gguf"
 
 
 def backend_config(files: ModelFiles) -> Any:

@@ -28,6 +28,7 @@ class ModelFiles:
     name: str  # what clients ask for
     model_id: str  # the name and its version: NAME/vN for a registry version
     version: str | None = None
+    gguf_dir: Path | None = None  # the export's gguf/ folder (memfit-gguf.json in it), when it has one
 
 
 def verify_export(hf_dir: Path, onnx_path: Path | None = None) -> None:
@@ -61,7 +62,13 @@ def export_folder(path: Path) -> ModelFiles:
                              "give models:/NAME@ALIAS, a training checkpoint or the --out folder of memfit export")
     onnx = hf.parent / ONNX_NAME
     return ModelFiles(hf_dir=hf, onnx_path=onnx if onnx.is_file() else None, name=hf.parent.name if hf != path
-                      else path.name, model_id=str(path))
+                      else path.name, model_id=str(path), gguf_dir=gguf_folder(hf.parent / "gguf"))
+
+
+def gguf_folder(path: Path) -> Path | None:
+    from memfit.release.gguf_export import MANIFEST_NAME
+
+    return path if (path / MANIFEST_NAME).is_file() else None
 
 
 def is_checkpoint(uri: str) -> bool:
@@ -134,6 +141,7 @@ class RegistrySource:
                 local.rename(tmp / "model")
                 shutil.rmtree(tmp / "dl", ignore_errors=True)
                 self._fetch_onnx(mv.run_id, tmp / "onnx")
+                self._fetch_artifacts(mv.run_id, "export/gguf", tmp / "gguf")
                 if dest.exists():
                     shutil.rmtree(dest)
                 tmp.rename(dest)  # complete downloads only: a later start reuses this folder
@@ -146,7 +154,7 @@ class RegistrySource:
         onnx = dest / "onnx" / ONNX_NAME
         hf = dest / "model" / "artifacts" / "hf"
         files = ModelFiles(hf, onnx if onnx.is_file() else None, name=self.name, model_id=f"{self.name}/v{version}",
-                           version=version)
+                           version=version, gguf_dir=gguf_folder(dest / "gguf"))
         verify_export(files.hf_dir, files.onnx_path)
         return files
 
@@ -165,6 +173,21 @@ class RegistrySource:
             return
         finally:
             shutil.rmtree(dest.parent / "r", ignore_errors=True)
+
+
+    def _fetch_artifacts(self, run_id: str | None, path: str, dest: Path) -> None:
+        """A folder of the version's run (e.g. export/gguf), when it has one."""
+        from mlflow.artifacts import download_artifacts
+
+        if not run_id:
+            return
+        try:
+            Path(download_artifacts(run_id=run_id, artifact_path=path, dst_path=str(dest.parent / "a"),
+                                    tracking_uri=self.tracking_uri)).rename(dest)
+        except Exception:  # noqa: BLE001 - a run exported without it: the other backends serve it
+            return
+        finally:
+            shutil.rmtree(dest.parent / "a", ignore_errors=True)
 
 
 def resolve(model: str, tracking_uri: str, cache_dir: Path,

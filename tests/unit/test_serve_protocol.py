@@ -79,6 +79,11 @@ def test_choose_backend():
     assert choose_backend("transformers", "cpu", with_onnx) == "transformers"
     with pytest.raises(ModelLoadError, match="no ONNX export"):
         choose_backend("onnx", "cpu", without)
+    with_gguf = ModelFiles(Path("hf"), Path("model.onnx"), "m", "m/v1", "1", gguf_dir=Path("gguf"))
+    assert choose_backend("llama.cpp", "cpu", with_gguf) == "llama.cpp"
+    assert choose_backend("auto", "cpu", with_gguf) == "onnx"  # auto never picks llama.cpp
+    with pytest.raises(ModelLoadError, match="no GGUF export"):
+        choose_backend("llama.cpp", "cpu", without)
 
 
 # -- the engine, with a stand-in model: characters are tokens, and the "model" spells out a fixed reply ----------
