@@ -33,4 +33,5 @@ class DpoConfig(Section):
         "model with its LoRA adapters disabled (no extra weights; needs lora.enabled); copy: a frozen copy of "
         "the starting model in memory (its weights again, an extra forward a step); precompute: one pass over "
         "the training and validation pairs before the first step stores them beside the data (no reference "
-        "model while training). auto: adapter_off with LoRA, else copy.")
+        "model while training). auto: precompute when max_steps x pairs a step cover the training pairs at least "
+        "once (each pair's reference computed once instead of every pass), else adapter_off with LoRA, else copy.")

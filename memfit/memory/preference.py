@@ -9,14 +9,25 @@ ROWS_PER_PAIR = 2  # chosen and rejected through the policy in one forward
 FORWARD_SHARE = 1 / 3  # a no-grad forward is about a third of a forward + backward
 
 
-def reference_mode(setting: str, loss_type: str, lora: bool) -> str:
-    """Pure: dpo.reference as a run resolves it on a stack (objective.make_reference's rule): none for the
-    reference-free simpo; auto is adapter_off with LoRA adapters, else a frozen copy."""
+def reference_mode(setting: str, loss_type: str, lora: bool, coverage: float | None = None) -> str:
+    """Pure: dpo.reference as a run resolves it (objective.make_reference's rule): none for the reference-free
+    simpo. auto is precompute when the run goes over its training pairs at least once (`coverage`, see below): a
+    per-step reference would compute each pair's log-probs again every pass, precompute does it once and holds no
+    reference while training. Below one pass (or unknown, as in a plan before the data is read) auto is
+    adapter_off with LoRA adapters (no extra weights), else a frozen copy."""
     if loss_type == "simpo":
         return "none"
     if setting == "auto":
+        if coverage is not None and coverage >= 1.0:
+            return "precompute"
         return "adapter_off" if lora else "copy"
     return setting
+
+
+def coverage(max_steps: int, pairs_per_step: int, train_pairs: int) -> float:
+    """Pure: how many times the run's steps go over the training pairs (max_steps x pairs a step / pairs). A
+    per-step reference runs max_steps x pairs_per_step pair forwards; precompute runs train_pairs once."""
+    return max_steps * pairs_per_step / max(train_pairs, 1)
 
 
 def why(mode: str, copy_bytes: int) -> str:
@@ -25,9 +36,11 @@ def why(mode: str, copy_bytes: int) -> str:
     return {
         "none": "simpo is reference-free: no reference log-probs",
         "adapter_off": "adapter_off: the policy with its LoRA adapters disabled is the reference: no extra "
-                       "weights, one no-grad forward a step (precompute would move that forward before training)",
+                       "weights, one no-grad forward a step (precompute would move that forward before training; "
+                       "auto takes it when max_steps go over the training pairs at least once)",
         "copy": f"copy: a frozen copy of the starting model, {gb:.3g} GB of weights and one no-grad forward a step; "
-                "dpo.reference: precompute needs neither while training (one pass before step 1)",
+                "dpo.reference: precompute needs neither while training (one pass before step 1; auto takes it "
+                "when max_steps go over the training pairs at least once)",
         "precompute": f"precompute: the reference log-probs stored by one pass before step 1: no reference model "
                       f"while training (a copy would hold {gb:.3g} GB more)",
     }[mode]

@@ -218,19 +218,21 @@ def precompute_reference(model: nn.Module, data: Any, batch_size: int, device: t
              len(data.train), len(data.val), time.perf_counter() - t0)
 
 
-def make_reference(setting: str, loss_type: str, model: nn.Module) -> Reference:
-    """dpo.reference resolved on the model: auto is adapter_off for a peft model, else copy; simpo needs none."""
-    if loss_type == "simpo":
+def make_reference(setting: str, loss_type: str, model: nn.Module, coverage: float | None = None) -> Reference:
+    """dpo.reference resolved on the model by memory/preference.py's rule (auto: precompute when the run goes over
+    its pairs at least once, else adapter_off for a peft model, else copy); simpo needs none."""
+    from memfit.memory.preference import reference_mode
+
+    mode = reference_mode(setting, loss_type, hasattr(model, "disable_adapter"), coverage)
+    if mode == "none":
         return Reference()
-    if setting == "auto":
-        setting = "adapter_off" if hasattr(model, "disable_adapter") else "copy"
-    if setting == "adapter_off":
+    if mode == "adapter_off":
         if not hasattr(model, "disable_adapter"):
             raise ConfigError("dpo.reference: adapter_off needs LoRA adapters, and this run trains all weights "
                               "(lora.enabled auto chose full fine-tuning); set dpo.reference to auto, copy or "
                               "precompute, or lora.enabled: true")
         return AdapterOff()
-    if setting == "precompute":
+    if mode == "precompute":
         return Precomputed()
     return FrozenCopy(model)
 
@@ -242,8 +244,18 @@ def make_objective(cfg: Any | None = None, model: nn.Module | None = None, data:
     precompute the log-probs stored beside `data`)."""
     if cfg is None or cfg.train.objective == "sft":
         return make_loss(cfg)
-    d = cfg.dpo
-    reference = make_reference(d.reference, d.loss_type, model) if model is not None else Reference()
+    d, t = cfg.dpo, cfg.train
+    covered = None
+    if data is not None and len(data.train):
+        from memfit.memory.preference import coverage
+
+        # Pairs a step over all ranks: each rank takes its share of every micro-batch (Trainer.train_step).
+        covered = coverage(t.max_steps, t.micro_batch_size * t.grad_accum_steps, len(data.train))
+    reference = make_reference(d.reference, d.loss_type, model, covered) if model is not None else Reference()
+    if d.reference == "auto" and model is not None and d.loss_type != "simpo":
+        log.info("dpo.reference auto: %s (max_steps x pairs a step cover the %s training pairs %s times; "
+                 "precompute from one full pass up)", reference.name, len(data.train) if data is not None else "?",
+                 f"{covered:.2f}" if covered is not None else "an unknown number of")
     if reference.name == "precompute" and model is not None and data is not None:
-        precompute_reference(model, data, cfg.train.micro_batch_size, device or torch.device("cpu"), precision)
+        precompute_reference(model, data, t.micro_batch_size, device or torch.device("cpu"), precision)
     return DpoObjective(d.beta, d.loss_type, d.label_smoothing, d.simpo_gamma, reference)

@@ -82,15 +82,23 @@ def test_dpo_lora_reference_is_the_model_with_adapters_off(tmp_path, caplog):
     assert saved and all("lora_" in k for k in saved), sorted(saved)[:4]  # adapters only, no second model
 
 
-def test_precomputed_reference_trains_like_the_copy(tmp_path):
+def test_precomputed_reference_trains_like_the_copy_and_auto_takes_it_over_a_full_pass(tmp_path, caplog):
+    """80 generated pairs, 12 steps of 8: the run goes over its training pairs more than once, so auto precomputes
+    the reference (each pair's log-probs once, no copy while training) and trains as the frozen copy does."""
     weights = {}
-    for mode in ("copy", "precompute"):
-        cfg = _config(tmp_path / mode, **{"dpo.reference": mode, "train.max_steps": 12,
+    for mode in ("copy", "auto"):
+        cfg = _config(tmp_path / mode, **{"dpo.reference": mode, "train.max_steps": 12, "data.synthetic_docs": 80,
                                           "checkpoint.every_steps": 12})
-        assert _train(cfg).steps == 12
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="memfit.train"):
+            assert _train(cfg).steps == 12
+        if mode == "auto":
+            said = next(r.getMessage() for r in caplog.records if "dpo.reference auto" in r.getMessage())
+            assert said.startswith("dpo.reference auto: precompute (") and " times;" in said, said
+            assert any("reference log-probs of" in r.getMessage() for r in caplog.records)
         weights[mode] = load_file(str(_newest(tmp_path / mode / "checkpoints") / "model.safetensors"))
     for k, v in weights["copy"].items():
-        torch.testing.assert_close(weights["precompute"][k], v, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(weights["auto"][k], v, atol=1e-5, rtol=1e-4)
 
 
 def test_dpo_run_killed_after_a_checkpoint_resumes_to_the_same_weights(tmp_path):
