@@ -319,7 +319,8 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
         meta = scrub_obj({"source_checkpoint": final.info.uri, "mlflow_run_id": run_id, "step": final.step,
                           "model_source": _source_name(cfg), "run_name": cfg.run.name})
         report = release(cfg, tracker, model, inputs.tokenizer, meta,
-                         {"val_loss": val_loss, "val_perplexity": ppl}, step, adapter)
+                         {"val_loss": val_loss, "val_perplexity": ppl}, step, adapter,
+                         (data.val, data.val_fields) if cfg.train.objective == "dpo" else None)
         tracker.end_run("FINISHED")
     except BaseException as err:
         if isinstance(err, MemfitError):  # the reviewer sees why phase 5 failed (e.g. the ONNX parity figure)

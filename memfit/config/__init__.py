@@ -454,6 +454,10 @@ class MemfitConfig(_Section):
                              "data.format: preference (or auto)")
         if not dpo and fmt == "preference":
             raise ValueError("data.format: preference pairs need train.objective: dpo")
+        gated = [k for k in self.eval.gate.metrics if k.partition("/")[0] == "preference"]
+        if gated and not dpo:
+            raise ValueError(f"eval.gate.metrics: {gated[0]!r} is scored on held-out preference pairs, and "
+                             "train.objective is sft; drop the rule or train with train.objective: dpo")
         if not dpo:
             return self
         if self.dpo.reference == "adapter_off" and self.lora.enabled is False:

@@ -111,7 +111,9 @@ class GateConfig(Section):
                                 "current champion's (a first model, with no champion, passes).")
     metrics: dict[str, MetricGate] = Field(
         default_factory=dict, description="Rules on task scores, keyed TASK/METRIC as logged under eval/ (e.g. "
-        "`my_mc/acc: {min: 0.5, max_drop: 0.02}`); higher is better. Every TASK must be in eval.tasks.")
+        "`my_mc/acc: {min: 0.5, max_drop: 0.02}`); higher is better. Every TASK must be in eval.tasks or "
+        "eval.sets, or be `preference` (a DPO run: preference/accuracy, preference/margin on its held-out pairs, "
+        "the champion scored on the same pairs).")
 
 
 class EvalSetConfig(Section):
@@ -154,15 +156,15 @@ class EvalConfig(Section):
     @model_validator(mode="after")
     def _gated_metrics_come_from_tasks(self) -> EvalConfig:
         names = [s.name for s in self.sets]
-        clash = sorted({n for n in names if names.count(n) > 1 or n in self.tasks})
+        clash = sorted({n for n in names if names.count(n) > 1 or n in self.tasks or n == "preference"})
         if clash:
-            raise ValueError(f"eval.sets: {', '.join(clash)} named twice (sets and tasks share eval/NAME/...); "
-                             "rename the set")
+            raise ValueError(f"eval.sets: {', '.join(clash)} named twice (sets and tasks share eval/NAME/..., and "
+                             "preference is a DPO run's held-out pairs); rename the set")
         for key in self.gate.metrics:
             task, _, metric = key.partition("/")
             if not metric:
                 raise ValueError(f"eval.gate.metrics: {key!r} is not TASK/METRIC (e.g. my_task/acc)")
-            if task not in self.tasks and task not in names:
+            if task not in self.tasks and task not in names and task != "preference":
                 raise ValueError(f"eval.gate.metrics: {key!r} names {task!r}, which neither eval.tasks nor eval.sets "
                                  f"runs ({', '.join(self.tasks + names) or 'none'}); add it or drop the rule")
         return self

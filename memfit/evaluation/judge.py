@@ -25,32 +25,42 @@ class Judged:
 
     tasks: TaskScores = field(default_factory=TaskScores)
     sets: list[SetResult] = field(default_factory=list)
+    preference: dict[str, float] = field(default_factory=dict)  # a DPO run's held-out pairs (eval/preference/...)
 
     @property
     def metrics(self) -> dict[str, float]:
         out = dict(self.tasks.metrics)
         for s in self.sets:
             out.update(s.metrics())
-        return out
+        return out | self.preference
 
 
-def judge_export(cfg: Any, hf_dir: str | Path, device: str) -> Judged:
-    """eval.tasks (the harness's HF backend) and eval.sets (greedy answers) on the SafeTensors folder `hf_dir`."""
+def judge_export(cfg: Any, hf_dir: str | Path, device: str, pairs: Any = None) -> Judged:
+    """eval.tasks (the harness's HF backend), eval.sets (greedy answers) and, for a DPO run, its held-out `pairs`
+    (rows, fields) on the SafeTensors folder `hf_dir`."""
     judged = Judged(tasks=run_tasks(hf_dir, cfg.eval, device) if cfg.eval.tasks else TaskScores())
-    if cfg.eval.sets:
+    if cfg.eval.sets or pairs is not None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         start = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
-        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        judged.sets = run_sets(model, tokenizer, cfg.eval.sets, torch.device(device), cfg.eval.max_new_tokens)
-        judged.tasks.seconds["sets"] = round(time.perf_counter() - start, 3)
+        if cfg.eval.sets:
+            tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+            judged.sets = run_sets(model, tokenizer, cfg.eval.sets, torch.device(device), cfg.eval.max_new_tokens)
+            judged.tasks.seconds["sets"] = round(time.perf_counter() - start, 3)
+        if pairs is not None:
+            from memfit.evaluation.preference import PREFERENCE, preference_scores
+
+            start = time.perf_counter()
+            judged.preference = preference_scores(model, *pairs, cfg.train.micro_batch_size, torch.device(device),
+                                                  cfg.eval.limit)
+            judged.tasks.seconds[PREFERENCE] = round(time.perf_counter() - start, 3)
         del model
     return judged
 
 
-def eval_key(eval_cfg: Any) -> str:
+def eval_key(eval_cfg: Any, pairs_key: str | None = None) -> str:
     """What decides the scores besides the model: the tasks and every file under eval.task_paths (their YAMLs and
     local data), the sets' files and settings, the harness's settings and version, memfit's generation settings.
     A champion judged under the same key is not judged again; any change to a set or task file changes it."""
@@ -68,7 +78,8 @@ def eval_key(eval_cfg: Any) -> str:
              "sets": [{**s.model_dump(mode="json"), "path": _digest(Path(s.path).expanduser())}
                       for s in eval_cfg.sets],
              "limit": eval_cfg.limit, "num_fewshot": eval_cfg.num_fewshot, "batch_size": eval_cfg.batch_size,
-             "max_new_tokens": eval_cfg.max_new_tokens, "harness": harness, "format": 1}
+             "max_new_tokens": eval_cfg.max_new_tokens, "harness": harness, "format": 1,
+             **({"pairs": pairs_key} if pairs_key else {})}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -90,7 +101,7 @@ def current(cfg: Any, run_id: str) -> Any:
     return None if champion is None or champion.run_id == run_id else champion
 
 
-def recorded_scores(cfg: Any, champion: Any, key: str) -> Judged | None:
+def recorded_scores(cfg: Any, champion: Any, key: str, with_pairs: bool = False) -> Judged | None:
     """The champion's scores as its own run recorded them, when judged under the same eval key (its metrics and its
     sets' per-example rows), else None: judge it again."""
     from mlflow import MlflowClient
@@ -103,6 +114,7 @@ def recorded_scores(cfg: Any, champion: Any, key: str) -> Judged | None:
         if run.data.tags.get(KEY_TAG) != key:
             return None
         metrics = {k: v for k, v in run.data.metrics.items() if k.startswith("eval/")}
+        preference = {k: v for k, v in metrics.items() if k.startswith("eval/preference/")}
         sets = []
         for s in cfg.eval.sets:
             table = json.loads(Path(client.download_artifacts(run.info.run_id, f"eval/sets/{s.name}.json"))
@@ -112,9 +124,10 @@ def recorded_scores(cfg: Any, champion: Any, key: str) -> Judged | None:
         log.info("the champion's recorded scores are unreadable (%s): judging it again", err)
         return None
     judged = Judged(tasks=TaskScores(metrics={k: v for k, v in metrics.items()
-                                              if k.split("/")[1] in cfg.eval.tasks}), sets=sets)
+                                              if k.split("/")[1] in cfg.eval.tasks}), sets=sets,
+                    preference=preference if with_pairs else {})
     missing = [t for t in cfg.eval.tasks if not any(k.startswith(f"eval/{t}/") for k in judged.tasks.metrics)]
-    return None if missing else judged
+    return None if missing or (with_pairs and not preference) else judged
 
 
 def side_by_side(ours: SetResult, theirs: SetResult) -> dict[str, list[Any]]:
@@ -131,18 +144,22 @@ def side_by_side(ours: SetResult, theirs: SetResult) -> dict[str, list[Any]]:
     return table
 
 
-def judge(cfg: Any, hf_dir: str, device: str, tracker: Any, step: int, work: Path, run_id: str) -> dict[str, float]:
-    """Score the challenger's export, and the champion's on the same data; log both, the per-example tables, and
-    return the metrics the gate reads (the champion's under champion/eval/...)."""
-    ours = judge_export(cfg, hf_dir, device)
+def judge(cfg: Any, hf_dir: str, device: str, tracker: Any, step: int, work: Path, run_id: str,
+          pairs: Any = None) -> dict[str, float]:
+    """Score the challenger's export, and the champion's on the same data (a DPO run's held-out `pairs` too); log
+    both, the per-example tables, and return the metrics the gate reads (the champion's under champion/eval/...)."""
+    ours = judge_export(cfg, hf_dir, device, pairs)
     log_scores(tracker, ours.tasks, step, work / "tasks")
     for s in ours.sets:
         tracker.log_table({k: [r[k] for r in s.rows] for k in s.rows[0]}, f"eval/sets/{s.name}.json")
     metrics = ours.metrics
-    key = eval_key(cfg.eval)
+    if pairs is not None:
+        from memfit.evaluation.preference import pairs_digest
+
+    key = eval_key(cfg.eval, pairs_digest(*pairs) if pairs is not None else None)
     tracker.set_tags({KEY_TAG: key})
     champion = current(cfg, run_id)
-    theirs = recorded_scores(cfg, champion, key) if champion is not None else None
+    theirs = recorded_scores(cfg, champion, key, pairs is not None) if champion is not None else None
     if theirs is not None:
         log.info("the champion (v%s) was judged on the same tasks and sets (eval key %s): its recorded scores are "
                  "used", champion.version, key)
@@ -153,7 +170,7 @@ def judge(cfg: Any, hf_dir: str, device: str, tracker: Any, step: int, work: Pat
         dest = work / "champion"
         shutil.rmtree(dest, ignore_errors=True)
         theirs = judge_export(cfg, fetch_champion(cfg.tracking.resolved_uri(), cfg.registry.model_name or cfg.run.name,
-                                                  dest, cfg.registry.alias), device)
+                                                  dest, cfg.registry.alias), device, pairs)
         tracker.set_tags({"memfit.champion_scores": f"judged again (v{champion.version})"})
     if theirs is not None:
         metrics.update({CHAMPION + k: v for k, v in theirs.metrics.items()})

@@ -24,8 +24,10 @@ log = logging.getLogger("memfit.release")
 
 
 def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: dict[str, Any],
-            metrics: dict[str, float], step: int, adapter: AdapterExport | None = None) -> ExportReport:
+            metrics: dict[str, float], step: int, adapter: AdapterExport | None = None, pairs: Any = None
+            ) -> ExportReport:
     """Verified exports, their upload and MLflow artifacts, the loss curve, then the gate and the registry.
+    `pairs`: a DPO run's held-out preference pairs (rows, fields), scored on the export and the champion.
 
     A failed ONNX export does not stop the rest: the report's `onnx_error` says what failed and how to redo it.
     """
@@ -40,9 +42,10 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                            max_new_tokens=cfg.eval.max_new_tokens, name=cfg.run.name)
         tracker.log_metrics(gguf.metrics(), step=step)
     task_scores: dict[str, float] = {}
-    if cfg.eval.tasks or cfg.eval.sets:  # the export as users will load it, and the champion, before the gate
+    if cfg.eval.tasks or cfg.eval.sets or pairs is not None:  # the export as users load it, and the champion
         task_scores = judge(cfg, files.safetensors_dir, str(resolve_device(cfg.train.device)), tracker, step,
-                            Path(cfg.run.work_dir) / "eval" / str(meta["mlflow_run_id"]), str(meta["mlflow_run_id"]))
+                            Path(cfg.run.work_dir) / "eval" / str(meta["mlflow_run_id"]), str(meta["mlflow_run_id"]),
+                            pairs)
         metrics = {**metrics, **task_scores}
     tags = format_tags(files, adapter, gguf)
     onnx_error = None
