@@ -115,7 +115,8 @@ class Trainer:
         self.resumed_from: int | None = None
         self.monitor = MemoryMonitor.for_run(cfg, device, tracker, *s.monitored())
         # train.objective: sft is the loss policy; dpo takes its reference here, before the first step (objective.py).
-        self.loss: LossPolicy = make_objective(cfg, self.model, data, device, s.autocast_precision)
+        self.loss: LossPolicy = make_objective(cfg, self.model, data, device, s.autocast_precision,
+                                               getattr(checkpoints, "store", None))
         self.attn_implementation = attention_implementation(model)
         self.trained_tokens_seen = 0
         # Trained tokens per training row, counted once here: a step adds up Python ints (no tensor read per step).

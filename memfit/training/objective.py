@@ -194,12 +194,20 @@ class DpoObjective:
 
 
 @torch.no_grad()
-def precompute_reference(model: nn.Module, data: Any, batch_size: int, device: torch.device, precision: str) -> None:
+def precompute_reference(model: nn.Module, data: Any, batch_size: int, device: torch.device, precision: str,
+                         store: Any = None) -> None:
     """dpo.reference precompute: one pass over the training and validation pairs before the first step; the
     model's (the reference's) summed log-probs stored beside the pairs as ref_* fields, so no reference model is
-    held while training and the batches carry them in the data order."""
+    held while training and the batches carry them in the data order. With the training-checkpoint `store` the
+    values are kept there too, keyed by the pairs and the starting weights: a restarted run reads them back."""
     from memfit.memory.probe import autocast_context
+    from memfit.training import reference_cache
 
+    key = reference_cache.cache_key(model, data, batch_size, precision) if store is not None else None
+    if key is not None and reference_cache.load(store, key, data, REFERENCE_KEYS):
+        log.info("dpo.reference precompute: reference log-probs of %d training + %d validation pairs read from "
+                 "%s/%s (kept by an earlier attempt)", len(data.train), len(data.val), store.uri.rstrip("/"), key)
+        return
     t0 = time.perf_counter()
     was_training = model.training
     model.eval()
@@ -216,6 +224,8 @@ def precompute_reference(model: nn.Module, data: Any, batch_size: int, device: t
     model.train(was_training)
     log.info("dpo.reference precompute: reference log-probs of %d training + %d validation pairs in %.1f s",
              len(data.train), len(data.val), time.perf_counter() - t0)
+    if key is not None:
+        reference_cache.save(store, key, data, REFERENCE_KEYS)
 
 
 def make_reference(setting: str, loss_type: str, model: nn.Module, coverage: float | None = None) -> Reference:
@@ -238,10 +248,10 @@ def make_reference(setting: str, loss_type: str, model: nn.Module, coverage: flo
 
 
 def make_objective(cfg: Any | None = None, model: nn.Module | None = None, data: Any = None,
-                   device: torch.device | None = None, precision: str = "fp32") -> LossPolicy:
+                   device: torch.device | None = None, precision: str = "fp32", store: Any = None) -> LossPolicy:
     """The run's objective (the one place it is chosen): train.objective sft is the loss policy (memory.loss);
     dpo is a DpoObjective over `model`'s reference, taken here before the first step (the copy, or with
-    precompute the log-probs stored beside `data`)."""
+    precompute the log-probs stored beside `data`, and kept in the training-checkpoint `store`)."""
     if cfg is None or cfg.train.objective == "sft":
         return make_loss(cfg)
     d, t = cfg.dpo, cfg.train
@@ -257,5 +267,5 @@ def make_objective(cfg: Any | None = None, model: nn.Module | None = None, data:
                  "precompute from one full pass up)", reference.name, len(data.train) if data is not None else "?",
                  f"{covered:.2f}" if covered is not None else "an unknown number of")
     if reference.name == "precompute" and model is not None and data is not None:
-        precompute_reference(model, data, t.micro_batch_size, device or torch.device("cpu"), precision)
+        precompute_reference(model, data, t.micro_batch_size, device or torch.device("cpu"), precision, store)
     return DpoObjective(d.beta, d.loss_type, d.label_smoothing, d.simpo_gamma, reference)

@@ -101,6 +101,37 @@ def test_precomputed_reference_trains_like_the_copy_and_auto_takes_it_over_a_ful
         torch.testing.assert_close(weights["auto"][k], v, atol=1e-5, rtol=1e-4)
 
 
+def test_a_restarted_precompute_run_reads_the_kept_reference_and_ends_bitwise_equal(tmp_path, caplog):
+    """The precomputed reference log-probs are kept in the training-checkpoint store: a run restarted from step 6
+    (its step-12 checkpoint removed, as if the machine had vanished) reads them instead of a second pass, and
+    its step-12 weights equal the first attempt's; a damaged object is computed again."""
+    import shutil
+
+    cfg = _config(tmp_path, **{"dpo.reference": "precompute", "train.max_steps": 12, "checkpoint.every_steps": 6,
+                               "checkpoint.keep_last": 3})
+    assert _train(cfg).steps == 12
+    (kept,) = (tmp_path / "checkpoints" / "reference").iterdir()
+    assert kept.name.startswith("ref-logps-") and kept.suffix == ".safetensors"
+    first = load_file(str(tmp_path / "checkpoints" / "step-00000012" / "model.safetensors"))
+    shutil.rmtree(tmp_path / "checkpoints" / "step-00000012")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="memfit.train"):
+        assert _train(cfg).steps == 12
+    said = [r.getMessage() for r in caplog.records if "dpo.reference precompute" in r.getMessage()]
+    assert len(said) == 1 and "read from" in said[0] and kept.name in said[0], said
+    again = load_file(str(tmp_path / "checkpoints" / "step-00000012" / "model.safetensors"))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    kept.write_bytes(kept.read_bytes()[:100])  # a damaged object: warned about, computed again
+    shutil.rmtree(tmp_path / "checkpoints" / "step-00000012")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="memfit.train"):
+        assert _train(cfg).steps == 12
+    said = [r.getMessage() for r in caplog.records if "dpo.reference precompute" in r.getMessage()]
+    assert "is unusable" in said[0] and "validation pairs in" in said[1], said
+    third = load_file(str(tmp_path / "checkpoints" / "step-00000012" / "model.safetensors"))
+    assert all(torch.equal(first[k], third[k]) for k in first)
+
+
 def test_dpo_run_killed_after_a_checkpoint_resumes_to_the_same_weights(tmp_path):
     """SIGKILL (no handler runs, a background save may be cut short) after step 7, then a rerun: bitwise equal."""
     import os
