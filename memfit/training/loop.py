@@ -116,7 +116,7 @@ class Trainer:
         self.monitor = MemoryMonitor.for_run(cfg, device, tracker, *s.monitored())
         # train.objective: sft is the loss policy; dpo takes its reference here, before the first step (objective.py).
         self.loss: LossPolicy = make_objective(cfg, self.model, data, device, s.autocast_precision,
-                                               getattr(checkpoints, "store", None))
+                                               getattr(checkpoints, "store", None), s.eval_model())
         self.attn_implementation = attention_implementation(model)
         self.trained_tokens_seen = 0
         # Trained tokens per training row, counted once here: a step adds up Python ints (no tensor read per step).
@@ -287,7 +287,7 @@ class Trainer:
                                 **self.flops)
                     self._log_routing()
                     if hasattr(self.loss, "pop_metrics"):  # dpo: TRL's rewards/* and logps/* since the last log
-                        self.tracker.log_metrics(self.loss.pop_metrics(), step=self.step)
+                        self.tracker.log_metrics(self.loss.pop_metrics(s.sum_over_ranks), step=self.step)
                 bar.update(1)
                 # The newest loss read, not this step's: reading it here would make every step wait.
                 loss_shown = {} if steplog.last_loss is None else {"loss": f"{steplog.last_loss:.3f}"}

@@ -60,12 +60,17 @@ class Reference:
 
 
 class AdapterOff(Reference):
-    """The policy with its LoRA adapters disabled (peft's disable_adapter): the base it started from, no copy."""
+    """The policy with its LoRA adapters disabled (peft's disable_adapter): the base it started from, no copy.
+    `model`: the peft model itself when the policy is wrapped (DDP), whose wrapper has no disable_adapter."""
 
     name = "adapter_off"
 
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.model = model
+
     @torch.no_grad()
     def logps(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        model = self.model if self.model is not None else model
         with model.disable_adapter():
             return policy_logps(model, batch)
 
@@ -170,11 +175,20 @@ class DpoObjective:
             self._sums[k] = self._sums[k] + total if k in self._sums else total
         self._pairs += pairs
 
-    def pop_metrics(self) -> dict[str, float]:
-        """Means per pair since the last pop (one host read per metric), then reset."""
-        out = {k: float(v) / self._pairs for k, v in self._sums.items()} if self._pairs else {}
+    def pop_metrics(self, reduce: Any = None) -> dict[str, float]:
+        """Means per pair since the last pop (one host read for all), then reset. `reduce` sums a tensor over the
+        ranks (each holds its share of every batch's pairs), called on every rank alike."""
+        if not self._sums:
+            self._pairs = 0
+            return {}
+        names = sorted(self._sums)
+        totals = torch.stack([*(self._sums[k] for k in names),
+                              torch.tensor(float(self._pairs), device=self._sums[names[0]].device)])
+        if reduce is not None:
+            totals = reduce(totals)
+        values = totals.tolist()
         self._sums, self._pairs = {}, 0
-        return out
+        return {k: v / values[-1] for k, v in zip(names, values[:-1], strict=True)} if values[-1] else {}
 
     @contextlib.contextmanager
     def measuring(self, tracker: Any, step: int) -> Iterator[None]:
@@ -204,7 +218,7 @@ def precompute_reference(model: nn.Module, data: Any, batch_size: int, device: t
     from memfit.training import reference_cache
 
     key = reference_cache.cache_key(model, data, batch_size, precision) if store is not None else None
-    if key is not None and reference_cache.load(store, key, data, REFERENCE_KEYS):
+    if key is not None and reference_cache.agreed(reference_cache.load(store, key, data, REFERENCE_KEYS)):
         log.info("dpo.reference precompute: reference log-probs of %d training + %d validation pairs read from "
                  "%s/%s (kept by an earlier attempt)", len(data.train), len(data.val), store.uri.rstrip("/"), key)
         return
@@ -230,10 +244,17 @@ def precompute_reference(model: nn.Module, data: Any, batch_size: int, device: t
 
 def make_reference(setting: str, loss_type: str, model: nn.Module, coverage: float | None = None) -> Reference:
     """dpo.reference resolved on the model by memory/preference.py's rule (auto: precompute when the run goes over
-    its pairs at least once, else adapter_off for a peft model, else copy); simpo needs none."""
+    its pairs at least once, else adapter_off for a peft model, else copy); simpo needs none. `model` is the
+    unwrapped module (DDP's inner one); an FSDP2-sharded model is not copied: auto precomputes instead."""
     from memfit.memory.preference import reference_mode
 
     mode = reference_mode(setting, loss_type, hasattr(model, "disable_adapter"), coverage)
+    sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
+    if mode == "copy" and sharded:
+        if setting != "auto":
+            raise ConfigError("dpo.reference: copy is not supported with distributed.strategy fsdp2 (a frozen copy "
+                              "of a sharded model); use precompute (or auto), or adapter_off with LoRA")
+        mode = "precompute"
     if mode == "none":
         return Reference()
     if mode == "adapter_off":
@@ -241,17 +262,19 @@ def make_reference(setting: str, loss_type: str, model: nn.Module, coverage: flo
             raise ConfigError("dpo.reference: adapter_off needs LoRA adapters, and this run trains all weights "
                               "(lora.enabled auto chose full fine-tuning); set dpo.reference to auto, copy or "
                               "precompute, or lora.enabled: true")
-        return AdapterOff()
+        return AdapterOff(model)
     if mode == "precompute":
         return Precomputed()
     return FrozenCopy(model)
 
 
 def make_objective(cfg: Any | None = None, model: nn.Module | None = None, data: Any = None,
-                   device: torch.device | None = None, precision: str = "fp32", store: Any = None) -> LossPolicy:
+                   device: torch.device | None = None, precision: str = "fp32", store: Any = None,
+                   inner: nn.Module | None = None) -> LossPolicy:
     """The run's objective (the one place it is chosen): train.objective sft is the loss policy (memory.loss);
     dpo is a DpoObjective over `model`'s reference, taken here before the first step (the copy, or with
-    precompute the log-probs stored beside `data`, and kept in the training-checkpoint `store`)."""
+    precompute the log-probs stored beside `data`, and kept in the training-checkpoint `store`). `inner`: the
+    policy without its DDP wrapper, which the reference is taken from and run as."""
     if cfg is None or cfg.train.objective == "sft":
         return make_loss(cfg)
     d, t = cfg.dpo, cfg.train
@@ -261,6 +284,7 @@ def make_objective(cfg: Any | None = None, model: nn.Module | None = None, data:
 
         # Pairs a step over all ranks: each rank takes its share of every micro-batch (Trainer.train_step).
         covered = coverage(t.max_steps, t.micro_batch_size * t.grad_accum_steps, len(data.train))
+    model = inner if inner is not None else model
     reference = make_reference(d.reference, d.loss_type, model, covered) if model is not None else Reference()
     if d.reference == "auto" and model is not None and d.loss_type != "simpo":
         log.info("dpo.reference auto: %s (max_steps x pairs a step cover the %s training pairs %s times; "

@@ -19,7 +19,8 @@ def weights_fingerprint(model: nn.Module, samples: int = 4096) -> str:
     starting point (a new base, other adapters, a quantized copy) from the same one."""
     names, parts = [], []
     for name, t in model.state_dict().items():
-        flat = t.detach().reshape(-1)
+        full = getattr(t, "full_tensor", None)  # FSDP2: the whole tensor (collective, every rank in this order)
+        flat = (full() if callable(full) else t).detach().reshape(-1)
         if not flat.numel():
             continue
         names.append(f"{name}:{tuple(t.shape)}:{t.dtype}")
@@ -69,6 +70,18 @@ def load(store: Any, key: str, data: Any, names: tuple[str, str]) -> bool:
     for (split, name), t in loaded.items():
         (data.train_fields if split == "train" else data.val_fields)[name] = t
     return True
+
+
+def agreed(found: bool) -> bool:
+    """Under torchrun every rank reads the kept values or none does: FSDP2's reference pass is collective."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return found
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flag = torch.tensor([1.0 if found else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def save(store: Any, key: str, data: Any, names: tuple[str, str]) -> None:

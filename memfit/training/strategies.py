@@ -91,6 +91,10 @@ class SingleProcess:
     def eval_model(self) -> nn.Module:
         return self.model
 
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """A tensor summed over every rank (called on all of them alike); one process: itself."""
+        return values
+
     def monitored(self) -> tuple[nn.Module, Any]:
         """The module and optimizer whose tensors the memory monitor counts."""
         return self.model, self.optimizer
@@ -208,6 +212,13 @@ class TorchDistributed(SingleProcess):
         dist.all_reduce(flags)
         # The flags are read every step (every rank must act alike); the loss sum stays on the device.
         return Agreement(flags[0], *(f > 0 for f in flags[1:].tolist()))
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        values = values.clone()
+        dist.all_reduce(values)
+        return values
 
     def settle(self, agreed: Agreement, stop: Any, save_request: Any) -> Agreement:
         return agreed  # every rank acts on the same flags, or the collective saves would not match
