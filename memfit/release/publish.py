@@ -12,8 +12,9 @@ from memfit.config import MemfitConfig
 from memfit.evaluation.judge import judge
 from memfit.evaluation.review import run_description
 from memfit.release.adapter import AdapterExport
-from memfit.release.from_checkpoint import ExportFiles, export_model, onnx_redo_command, parity_criteria, upload_export
+from memfit.release.from_checkpoint import ExportFiles, export_model, onnx_redo_command, parity_criteria
 from memfit.release.registry import RegistryOutcome, publish_on_tracker
+from memfit.release.uploads import upload_export
 from memfit.reports import ExportReport
 from memfit.runtime.env import resolve_device
 from memfit.tracking.mlflow_tracker import MLflowTracker
@@ -31,6 +32,7 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
     """
     files = export_model(model, tokenizer, cfg.export.dir, onnx=cfg.export.onnx, criteria=parity_criteria(cfg.export),
                          opset=cfg.export.opset, metadata=meta, dtype=cfg.export.dtype)
+    files.adapter_dir = adapter.dir if adapter is not None else None  # verified in phase 5 before this
     gguf = None
     if "gguf" in cfg.export.enabled_formats():  # from the SafeTensors folder just verified, checked by llama.cpp
         from memfit.release.gguf_export import GGUF_DIR, export_gguf
@@ -39,6 +41,7 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                            prompts=cfg.eval.prompts, min_top1=cfg.export.gguf_min_top1.model_dump(),
                            max_new_tokens=cfg.eval.max_new_tokens, name=cfg.run.name)
         tracker.log_metrics(gguf.metrics(), step=step)
+        files.gguf_dir = gguf.dir
     task_scores: dict[str, float] = {}
     if cfg.eval.tasks or cfg.eval.sets:  # the export as users will load it, and the champion, before the gate
         task_scores = judge(cfg, files.safetensors_dir, str(resolve_device(cfg.train.device)), tracker, step,
@@ -56,7 +59,7 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                       f"completed; redo only the ONNX with `{redo}`.")
         tags["memfit.onnx_error"] = onnx_error[:4000]
         tracker.set_tags({"memfit.onnx_error": tags["memfit.onnx_error"]})  # now: visible even if a later step fails
-    if cfg.export.uri:  # one folder per run: a candidate that fails the gate never overwrites the champion's
+    if cfg.export.uri:  # one folder per run (every verified format): a failed gate never overwrites the champion's
         target = f"{cfg.export.uri.rstrip('/')}/{meta['mlflow_run_id']}"
         files.uploaded_uri = upload_export(files, target, meta)
         tags["memfit.export_uri"] = files.uploaded_uri
