@@ -259,9 +259,11 @@ def export_lines(report: dict[str, Any]) -> list[str]:
                      f"max KL {max(p['max_kl'] for p in parity):.2g} (limit {c['max_kl']:g}), "
                      f"top-1 {agree}/{positions} (min {c['min_top1']:.0%}): within")
     if report["adapter"]:
+        from memfit.release.adapter import base_statement
+
         a = report["adapter"]
-        lines.append(f"adapter: {a['dir']} on base {a['base']}; peft-loaded vs merged max |diff| "
-                     f"{a['max_abs_diff']:.2e}, top-1 {a['top1_agree']:.0%}")
+        lines.append(f"adapter: {a['dir']} on the {base_statement(a['base_quantization'])} {a['base']}; "
+                     f"peft-loaded vs merged max |diff| {a['max_abs_diff']:.2e}, top-1 {a['top1_agree']:.0%}")
     for f in (report["gguf"] or {}).get("files", []):
         lines.append(f"GGUF {f['quant']}: {f['file']} ({f['bytes'] / 2**20:.1f} MiB); llama.cpp vs transformers: "
                      f"greedy {f['greedy_equal']}/{f['prompts']} prompts equal, top-1 {f['top1_agree']:.1%}, max KL "

@@ -11,7 +11,7 @@ from typing import Any
 from memfit.config import MemfitConfig
 from memfit.evaluation.judge import judge
 from memfit.evaluation.review import run_description
-from memfit.release.adapter import AdapterExport
+from memfit.release.adapter import AdapterExport, base_statement
 from memfit.release.from_checkpoint import ExportFiles, export_model, onnx_redo_command, parity_criteria
 from memfit.release.registry import RegistryOutcome, publish_on_tracker
 from memfit.release.uploads import upload_export
@@ -110,8 +110,8 @@ def format_tags(files: ExportFiles, adapter: AdapterExport | None, gguf: Any) ->
     if files.onnx_path:
         tags["memfit.format.onnx"] = f"onnxruntime parity max |diff| {files.onnx_max_abs_diff:.2e}"
     if adapter is not None:
-        tags["memfit.format.adapter"] = (f"peft on its base vs merged: max |diff| {adapter.max_abs_diff:.2e}, "
-                                         f"top-1 {adapter.top1_agree:.1%}")
+        tags["memfit.format.adapter"] = (f"peft on its {base_statement(adapter.base_quantization)} vs merged: "
+                                         f"max |diff| {adapter.max_abs_diff:.2e}, top-1 {adapter.top1_agree:.1%}")
     if gguf is not None:
         tags["memfit.format.gguf"] = "; ".join(
             f"{f.quant}: greedy {f.greedy_equal}/{f.prompts}, top-1 {f.top1_agree:.1%}, max KL {f.max_kl:.2g}"

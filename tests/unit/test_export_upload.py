@@ -1,5 +1,6 @@
 """export.uri without training: every format's files go up before manifest.json; download_export refuses a missing,
-truncated or altered file in one line, fetches one format alone, and a failed upload leaves no manifest."""
+truncated or altered file in one line, fetches one format alone, and a failed upload leaves no manifest; a QLoRA
+adapter's tag and summary line name its 4-bit base."""
 
 from __future__ import annotations
 
@@ -169,3 +170,20 @@ def test_manifests_written_before_per_file_formats_still_select_by_key(tmp_path)
     path.write_text(json.dumps(manifest))
     got = download_export(str(tmp_path / "store"), tmp_path / "dl", formats=["onnx"])
     assert sorted(p.name for p in got.iterdir()) == ["model.onnx", "model.onnx.memfit.json"]
+
+
+@pytest.mark.parametrize(("quantization", "base"), [("nf4", "4-bit NF4 base (bitsandbytes)"),
+                                                     ("none", "unquantized base")])
+def test_the_adapter_tag_and_summary_line_name_the_base_it_needs(quantization, base):
+    from memfit.release.adapter import AdapterExport
+    from memfit.release.from_checkpoint import export_lines
+    from memfit.release.publish import format_tags
+
+    adapter = AdapterExport(dir="/x/adapter", base="/models/base", base_sha256=None, base_quantization=quantization,
+                            max_abs_diff=2e-7, max_kl=1e-12, top1_agree=1.0)
+    files = ExportFiles(dir="/x", safetensors_dir="/x/hf", safetensors_max_abs_diff=0.0)
+    assert format_tags(files, adapter, None)["memfit.format.adapter"] == (
+        f"peft on its {base} vs merged: max |diff| 2.00e-07, top-1 100.0%")
+    report = {"step": 4, "checkpoint": "ckpt/step-00000004", **files.to_dict(), "adapter": adapter.to_dict(),
+              "gguf": None}
+    assert f"adapter: /x/adapter on the {base} /models/base; peft-loaded" in export_lines(report)[2]
