@@ -19,7 +19,7 @@ EXPORT_FORMAT = "memfit-export/1"
 FORMATS = ("safetensors", "onnx", "adapter", "gguf")
 # Where each format's files sit, in the export folder and under the upload's prefix.
 FOLDERS = {"hf": "safetensors", "adapter": "adapter", "gguf": "gguf"}
-FORMAT_MANIFESTS = {"adapter": "memfit-adapter.json", "gguf": "memfit-gguf.json"}
+FORMAT_MANIFESTS = {"safetensors": "memfit-export.json", "adapter": "memfit-adapter.json", "gguf": "memfit-gguf.json"}
 
 
 def format_of(key: str) -> str:

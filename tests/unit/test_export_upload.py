@@ -27,6 +27,7 @@ def _export(root: Path, *, gguf: bool = True, quantization: str = "nf4") -> Expo
     """An export folder shaped as phase 5 writes one (small stand-in files): hf/, model.onnx, adapter/, gguf/."""
     _write(root / "hf" / "model.safetensors", b"w" * 3000)
     _write(root / "hf" / "config.json", "{}")
+    _write(root / "hf" / "memfit-export.json", "{}")
     _write(root / "model.onnx", b"o" * 500)
     _write(root / "model.onnx.memfit.json", "{}")
     _write(root / "adapter" / "adapter_model.safetensors", b"a" * 700)
@@ -72,6 +73,7 @@ def test_every_format_goes_up_and_the_manifest_last(tmp_path, put_order):
     assert set(put_order[:-1]) == set(manifest["files"])
     formats = {k: rec["format"] for k, rec in manifest["files"].items()}
     assert formats == {"hf/config.json": "safetensors", "hf/model.safetensors": "safetensors",
+                       "hf/memfit-export.json": "safetensors",
                        "model.onnx": "onnx", "model.onnx.memfit.json": "onnx",
                        "adapter/adapter_config.json": "adapter", "adapter/adapter_model.safetensors": "adapter",
                        "adapter/tokenizer.json": "adapter", "adapter/memfit-adapter.json": "adapter",
@@ -85,6 +87,7 @@ def test_every_format_goes_up_and_the_manifest_last(tmp_path, put_order):
     assert adapter["base_quantization"] == "nf4" and adapter["base"] == "4-bit NF4 base (bitsandbytes)"
     assert adapter["base_model"] == "/models/base" and manifest["formats"]["gguf"]["quants"] == ["f16"]
     # Each folder's own record last within it, as it was written locally.
+    assert put_order[:3] == ["hf/config.json", "hf/model.safetensors", "hf/memfit-export.json"]
     assert put_order.index("adapter/memfit-adapter.json") > put_order.index("adapter/adapter_model.safetensors")
 
 
