@@ -37,6 +37,12 @@ class AdapterExport:
         return asdict(self)
 
 
+def base_statement(quantization: str) -> str:
+    """The base the adapter needs, in words for tags and summaries: a QLoRA adapter matches its base only when
+    that base is loaded in 4-bit NF4, as it was trained on it."""
+    return "4-bit NF4 base (bitsandbytes)" if quantization == "nf4" else "unquantized base"
+
+
 def base_digest(source: str) -> str | None:
     """sha256 over the base's weight files (name and digest of each, sorted), when the base is a local folder;
     None for a hub id (its revision pins it)."""

@@ -1,9 +1,7 @@
-"""From trained weights to delivered exports: any training checkpoint → verified SafeTensors, ONNX, GGUF, uploaded."""
+"""From trained weights to delivered exports: any training checkpoint → verified SafeTensors, ONNX, adapter, GGUF."""
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 import logging
 import re
 import tempfile
@@ -13,16 +11,17 @@ from typing import Any
 
 import yaml
 
-import memfit
 from memfit.checkpoints import CheckpointManager, LoadedCheckpoint
 from memfit.errors import CheckpointError, ConfigError, ExportError, MemfitError, StorageError
+
+# download_export was defined here until the upload moved to uploads.py; callers still import it from here.
+from memfit.release.uploads import download_export as download_export
+from memfit.release.uploads import upload_export
 
 log = logging.getLogger("memfit.exporting")
 
 HF_DIR = "hf"
 ONNX_FILE = "model.onnx"
-EXPORT_MANIFEST = "manifest.json"
-EXPORT_FORMAT = "memfit-export/1"
 _STEP = re.compile(r"(?:^|/)(step-\d{8})/?$")
 
 
@@ -41,6 +40,7 @@ class ExportFiles:
     onnx_parity: list[dict[str, Any]] | None = None  # memfit.release.parity.ShapeParity per verification shape
     onnx_criteria: dict[str, float] | None = None
     onnx_error: str | None = None  # why the ONNX export failed; the SafeTensors export is still valid
+    adapter_dir: str | None = None  # the verified peft folder (adapter.py), uploaded with the rest
     gguf_dir: str | None = None  # the verified GGUF folder (gguf_export.py), uploaded with the rest
     uploaded_uri: str | None = None
 
@@ -170,63 +170,6 @@ def onnx_redo_command(checkpoint_uri: str, out_dir: str) -> str:
     return f"memfit export {checkpoint_uri} --out {out_dir} --onnx-only"
 
 
-def _export_paths(files: ExportFiles) -> dict[str, Path]:
-    """Store key → local file for everything an export consists of."""
-    out = Path(files.dir)
-    hf = [] if files.safetensors_dir is None else sorted(Path(files.safetensors_dir).rglob("*"))
-    paths = {f"{HF_DIR}/{p.relative_to(files.safetensors_dir).as_posix()}": p for p in hf if p.is_file()}
-    if files.onnx_path:
-        onnx = Path(files.onnx_path)
-        for p in (onnx, onnx.with_name(onnx.name + ".data"), onnx.with_name(onnx.name + ".memfit.json")):
-            if p.is_file():
-                paths[p.relative_to(out).as_posix()] = p
-    if files.gguf_dir:
-        paths.update({f"{Path(files.gguf_dir).name}/{p.name}": p for p in sorted(Path(files.gguf_dir).iterdir())
-                      if p.is_file()})
-    return paths
-
-
-def upload_export(files: ExportFiles, uri: str, metadata: dict[str, Any] | None = None) -> str:
-    """Upload every export file to `uri` (a folder or s3://…), then manifest.json last, which commits it."""
-    from memfit.files import file_record
-    from memfit.storage import open_store
-
-    store = open_store(uri)
-    # An interrupted re-upload must not look complete: the old manifest goes first.
-    store.delete(EXPORT_MANIFEST)
-    manifest_files = {}
-    for key, path in _export_paths(files).items():
-        store.put_file(path, key)
-        manifest_files[key] = file_record(path)
-    manifest = {"format": EXPORT_FORMAT, "memfit_version": memfit.__version__,
-                "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-                "onnx_max_abs_diff": files.onnx_max_abs_diff, "metadata": metadata or {}, "files": manifest_files}
-    store.put_bytes(EXPORT_MANIFEST, json.dumps(manifest, indent=2, default=str).encode())
-    log.info("export uploaded to %s (%d files, manifest last)", store.uri, len(manifest_files))
-    return store.uri
-
-
-def download_export(uri: str, dest: str | Path) -> Path:
-    """Download an uploaded export and check every file against its manifest; returns the local folder."""
-    from memfit.files import sha256_file
-    from memfit.storage import KeyNotFound, open_store
-
-    store, dest = open_store(uri), Path(dest)
-    try:
-        manifest = json.loads(store.get_bytes(EXPORT_MANIFEST))
-    except KeyNotFound:
-        raise ExportError(f"{uri} holds no complete export (no {EXPORT_MANIFEST})") from None
-    if manifest.get("format") != EXPORT_FORMAT:
-        raise ExportError(f"{uri}/{EXPORT_MANIFEST}: unknown format {manifest.get('format')!r}")
-    for key, meta in manifest["files"].items():
-        local = dest / key
-        local.parent.mkdir(parents=True, exist_ok=True)
-        store.get_file(key, local)
-        if sha256_file(local) != meta["sha256"]:
-            raise ExportError(f"{uri}/{key}: sha256 does not match the export manifest")
-    return dest
-
-
 def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_only: bool = False,
                       upload_uri: str | None = None, overrides: list[str] | None = None,
                       adapter: bool = False, gguf: bool = False,
@@ -288,6 +231,7 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
 
             verified = verify_adapter(adapter_dir, model, cfg.model.name_or_path, cfg.lora.quantize,
                                       parity_criteria(cfg.export)).to_dict()
+            files.adapter_dir = verified["dir"]
     if files.onnx_error:
         kept = f" The verified SafeTensors export is kept at {files.safetensors_dir}." if files.safetensors_dir else ""
         raise ExportError(f"{files.onnx_error}{kept} Redo only the ONNX with "
@@ -315,9 +259,11 @@ def export_lines(report: dict[str, Any]) -> list[str]:
                      f"max KL {max(p['max_kl'] for p in parity):.2g} (limit {c['max_kl']:g}), "
                      f"top-1 {agree}/{positions} (min {c['min_top1']:.0%}): within")
     if report["adapter"]:
+        from memfit.release.adapter import base_statement
+
         a = report["adapter"]
-        lines.append(f"adapter: {a['dir']} on base {a['base']}; peft-loaded vs merged max |diff| "
-                     f"{a['max_abs_diff']:.2e}, top-1 {a['top1_agree']:.0%}")
+        lines.append(f"adapter: {a['dir']} on the {base_statement(a['base_quantization'])} {a['base']}; "
+                     f"peft-loaded vs merged max |diff| {a['max_abs_diff']:.2e}, top-1 {a['top1_agree']:.0%}")
     for f in (report["gguf"] or {}).get("files", []):
         lines.append(f"GGUF {f['quant']}: {f['file']} ({f['bytes'] / 2**20:.1f} MiB); llama.cpp vs transformers: "
                      f"greedy {f['greedy_equal']}/{f['prompts']} prompts equal, top-1 {f['top1_agree']:.1%}, max KL "

@@ -11,9 +11,10 @@ from typing import Any
 from memfit.config import MemfitConfig
 from memfit.evaluation.judge import judge
 from memfit.evaluation.review import run_description
-from memfit.release.adapter import AdapterExport
-from memfit.release.from_checkpoint import ExportFiles, export_model, onnx_redo_command, parity_criteria, upload_export
+from memfit.release.adapter import AdapterExport, base_statement
+from memfit.release.from_checkpoint import ExportFiles, export_model, onnx_redo_command, parity_criteria
 from memfit.release.registry import RegistryOutcome, publish_on_tracker
+from memfit.release.uploads import upload_export
 from memfit.reports import ExportReport
 from memfit.runtime.env import resolve_device
 from memfit.tracking.mlflow_tracker import MLflowTracker
@@ -33,6 +34,7 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
     """
     files = export_model(model, tokenizer, cfg.export.dir, onnx=cfg.export.onnx, criteria=parity_criteria(cfg.export),
                          opset=cfg.export.opset, metadata=meta, dtype=cfg.export.dtype)
+    files.adapter_dir = adapter.dir if adapter is not None else None  # verified in phase 5 before this
     gguf = None
     if "gguf" in cfg.export.enabled_formats():  # from the SafeTensors folder just verified, checked by llama.cpp
         from memfit.release.gguf_export import GGUF_DIR, export_gguf
@@ -41,6 +43,7 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                            prompts=cfg.eval.prompts, min_top1=cfg.export.gguf_min_top1.model_dump(),
                            max_new_tokens=cfg.eval.max_new_tokens, name=cfg.run.name)
         tracker.log_metrics(gguf.metrics(), step=step)
+        files.gguf_dir = gguf.dir
     task_scores: dict[str, float] = {}
     if cfg.eval.tasks or cfg.eval.sets or pairs is not None:  # the export as users load it, and the champion
         task_scores = judge(cfg, files.safetensors_dir, str(resolve_device(cfg.train.device)), tracker, step,
@@ -59,7 +62,7 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                       f"completed; redo only the ONNX with `{redo}`.")
         tags["memfit.onnx_error"] = onnx_error[:4000]
         tracker.set_tags({"memfit.onnx_error": tags["memfit.onnx_error"]})  # now: visible even if a later step fails
-    if cfg.export.uri:  # one folder per run: a candidate that fails the gate never overwrites the champion's
+    if cfg.export.uri:  # one folder per run (every verified format): a failed gate never overwrites the champion's
         target = f"{cfg.export.uri.rstrip('/')}/{meta['mlflow_run_id']}"
         files.uploaded_uri = upload_export(files, target, meta)
         tags["memfit.export_uri"] = files.uploaded_uri
@@ -110,8 +113,8 @@ def format_tags(files: ExportFiles, adapter: AdapterExport | None, gguf: Any) ->
     if files.onnx_path:
         tags["memfit.format.onnx"] = f"onnxruntime parity max |diff| {files.onnx_max_abs_diff:.2e}"
     if adapter is not None:
-        tags["memfit.format.adapter"] = (f"peft on its base vs merged: max |diff| {adapter.max_abs_diff:.2e}, "
-                                         f"top-1 {adapter.top1_agree:.1%}")
+        tags["memfit.format.adapter"] = (f"peft on its {base_statement(adapter.base_quantization)} vs merged: "
+                                         f"max |diff| {adapter.max_abs_diff:.2e}, top-1 {adapter.top1_agree:.1%}")
     if gguf is not None:
         tags["memfit.format.gguf"] = "; ".join(
             f"{f.quant}: greedy {f.greedy_equal}/{f.prompts}, top-1 {f.top1_agree:.1%}, max KL {f.max_kl:.2g}"

@@ -1,5 +1,6 @@
 """A LoRA run's adapter alone: a peft folder that peft loads onto its base and that then equals the merged export;
-checksums, tokenizer and chat template inside; a tampered adapter fails the check in one line."""
+checksums, tokenizer and chat template inside; a tampered adapter fails the check in one line; export.uri on S3 holds
+it under the run id, manifest last, and download_export brings it back verified (a corrupted object is refused)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,28 @@ def _logits(model, ids):
         return model(input_ids=ids).logits.double()
 
 
-def test_the_adapter_loads_onto_its_base_with_peft_and_equals_the_merged_export(tiny_config, tmp_path):
+def _record_s3_writes(monkeypatch) -> list[str]:
+    """The keys the S3 store is asked to write, in order (the upload runs in this process)."""
+    from memfit.storage.s3 import S3Store
+
+    order: list[str] = []
+    put_file, put_bytes = S3Store.put_file, S3Store.put_bytes
+
+    def record_file(self, path, key, **kw):
+        order.append(key)
+        return put_file(self, path, key, **kw)
+
+    def record_bytes(self, key, data):
+        order.append(key)
+        return put_bytes(self, key, data)
+
+    monkeypatch.setattr(S3Store, "put_file", record_file)
+    monkeypatch.setattr(S3Store, "put_bytes", record_bytes)
+    return order
+
+
+def test_the_adapter_loads_onto_its_base_with_peft_and_equals_the_merged_export(tiny_config, tmp_path, s3_bucket,
+                                                                               s3_client, monkeypatch):
     from mlflow import MlflowClient
     from peft import PeftModel
     from safetensors.torch import load_file, save_file
@@ -33,7 +55,9 @@ def test_the_adapter_loads_onto_its_base_with_peft_and_equals_the_merged_export(
     from memfit.release.adapter import base_digest, verify_adapter
     from memfit.release.parity import ParityCriteria
 
-    cfg = tiny_config(**LORA)
+    _, bucket = s3_bucket
+    cfg = tiny_config(**LORA, **{"export.uri": f"s3://{bucket}/exports"})
+    written = _record_s3_writes(monkeypatch)
     probe = phases.check_environment_and_probe(cfg)
     plan = phases.plan_stack(cfg, probe)
     assert plan.lora is True
@@ -67,6 +91,33 @@ def test_the_adapter_loads_onto_its_base_with_peft_and_equals_the_merged_export(
     assert run.data.metrics["adapter_max_abs_diff"] == exported.adapter["max_abs_diff"]
     logged = {a.path for a in client.list_artifacts(run.info.run_id, "export/adapter")}
     assert "export/adapter/adapter_model.safetensors" in logged
+
+    # export.uri: the adapter folder beside hf/ under the run id, every file before manifest.json.
+    from memfit.release.uploads import download_export, read_manifest
+
+    assert exported.export_uri == f"s3://{bucket}/exports/{run.info.run_id}"
+    uploaded = read_manifest(exported.export_uri)
+    adapter_keys = {f"adapter/{n}" for n in manifest["files"]} | {"adapter/memfit-adapter.json"}
+    assert adapter_keys <= set(uploaded["files"]) and "hf/model.safetensors" in uploaded["files"]
+    assert all(uploaded["files"][k]["format"] == "adapter" for k in adapter_keys)
+    assert uploaded["source_run"] == run.info.run_id and uploaded["formats"]["adapter"]["base_model"] == base
+    assert written[-1] == "manifest.json" and set(written[:-1]) == set(uploaded["files"])
+    stored = {o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket, Prefix="exports/")["Contents"]}
+    assert {f"exports/{run.info.run_id}/{k}" for k in uploaded["files"]} <= stored
+    # Downloaded alone, verified, and loaded by peft onto a fresh base: the merged export's logits again.
+    fetched = download_export(exported.export_uri, tmp_path / "fetched", formats=["adapter"])
+    assert sorted(p.name for p in fetched.iterdir()) == ["adapter"]
+    again = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(fetched / "adapter")).eval()
+    assert float((_logits(again, ids) - want).abs().max()) <= 1e-4 + 5e-4 * scale
+    assert verify_adapter(fetched / "adapter", merged, base, "none", ParityCriteria()).top1_agree == 1.0
+    # An object changed in the bucket after the upload is refused, in one line naming it.
+    key = f"exports/{run.info.run_id}/adapter/adapter_model.safetensors"
+    data = bytearray(s3_client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0xFF
+    s3_client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    with pytest.raises(ExportError, match=r"adapter/adapter_model\.safetensors: sha256 does not match") as err:
+        download_export(exported.export_uri, tmp_path / "corrupt")
+    assert "\n" not in str(err.value) and not (tmp_path / "corrupt").exists()
 
     # An adapter that drifted from what was merged (here: scaled) is caught, in one line.
     tampered = tmp_path / "tampered"

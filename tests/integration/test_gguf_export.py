@@ -1,6 +1,6 @@
 """GGUF exports loaded by llama.cpp itself (llama-cpp-python): a tiny Llama run and a tiny Qwen3 give f16 files whose
 greedy tokens equal transformers', q8_0 within its bound, the chat template intact, a Modelfile beside them; the
-formats in MLflow and the registry; `memfit export --format gguf`; a wrong conversion caught in one line.
+formats in MLflow, the registry and export.uri; `memfit export --format gguf`; a wrong conversion caught in one line.
 Skipped where llama-cpp-python is not installed (it builds llama.cpp from source: `pip install 'memfit[gguf]'`)."""
 
 from __future__ import annotations
@@ -62,13 +62,13 @@ def llama_run(tmp_path_factory):
     cfg = config.load(REPO / "configs" / "tiny.yaml", tiny_overrides(root, None, **{
         "train.max_steps": 12, "checkpoint.every_steps": 12, "train.warmup_steps": 2, "data.synthetic_docs": 400,
         "export.formats": "[safetensors,gguf]", "export.gguf_quants": "[f16,q8_0]", "train.num_threads": 1,
-        "tracking.system_metrics": False}))
+        "tracking.system_metrics": False, "export.uri": str(root / "exports")}))
     probe = phases.check_environment_and_probe(cfg)
     result = phases.train(cfg, phases.plan_stack(cfg, probe), phases.recover_training_checkpoint(cfg), probe)
     return cfg, phases.evaluate_and_release(cfg, result)
 
 
-def test_a_llama_run_exports_gguf_that_llama_cpp_runs_like_transformers(llama_run):
+def test_a_llama_run_exports_gguf_that_llama_cpp_runs_like_transformers(llama_run, tmp_path):
     from llama_cpp import Llama
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
     from mlflow import MlflowClient
@@ -114,6 +114,17 @@ def test_a_llama_run_exports_gguf_that_llama_cpp_runs_like_transformers(llama_ru
     assert {"export/gguf/model-q8_0.gguf", "export/gguf/Modelfile"} <= logged
     version = client.get_model_version(exported.registry["model_name"], exported.registry["version"])
     assert version.tags["memfit.format.gguf"] == run.data.tags["memfit.format.gguf"]
+
+    # export.uri holds the GGUF folder beside hf/ (files, Modelfile, memfit-gguf.json), listed before the manifest.
+    from memfit.release.uploads import download_export, read_manifest
+
+    uploaded = read_manifest(exported.export_uri)
+    assert exported.export_uri.endswith(f"/exports/{run.info.run_id}") and uploaded["formats"]["gguf"]["quants"] == [
+        "f16", "q8_0"]
+    keys = {f"gguf/{n}" for n in [*manifest["files"], "memfit-gguf.json"]}
+    assert {k for k, rec in uploaded["files"].items() if rec["format"] == "gguf"} == keys
+    fetched = download_export(exported.export_uri, tmp_path / "fetched", formats=["gguf"])
+    assert all(sha256_file(fetched / k) == sha256_file(folder.parent / k) for k in keys)
 
 
 def test_memfit_export_writes_one_quant_from_a_training_checkpoint(llama_run, tmp_path):

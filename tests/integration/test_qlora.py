@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -34,7 +35,8 @@ def _newest(root: Path) -> dict[str, torch.Tensor]:
 def test_qlora_trains_and_exports_a_plain_model_that_passes_parity(tiny_config, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(**QLORA, **{"train.max_steps": 12, "train.lr": 3e-3, "export.onnx": True, "export.adapter": True})
+    cfg = tiny_config(**QLORA, **{"train.max_steps": 12, "train.lr": 3e-3, "export.onnx": True, "export.adapter": True,
+                                  "export.uri": str(tmp_path / "exports")})
     plan, result = _train(cfg)
     assert plan.lora is True and plan.quantize == "nf4"
     # The training checkpoint holds the adapters only: the 4-bit base is rebuilt from the model source.
@@ -50,6 +52,16 @@ def test_qlora_trains_and_exports_a_plain_model_that_passes_parity(tiny_config, 
     # The adapter alone states its 4-bit base; on that base (NF4 round trip) it equals the merged export.
     assert exported.adapter["base_quantization"] == "nf4" and exported.adapter["top1_agree"] == 1.0
     assert exported.adapter["max_abs_diff"] < 1e-3
+    doc = json.loads((Path(exported.adapter["dir"]) / "memfit-adapter.json").read_text())
+    assert doc["base_quantization"] == "nf4"
+    # ... and so does the export.uri upload that carries it, for whoever fetches the adapter alone.
+    from memfit.release.uploads import download_export, read_manifest
+
+    uploaded = read_manifest(exported.export_uri)
+    assert uploaded["formats"]["adapter"]["base_quantization"] == "nf4"
+    assert uploaded["formats"]["adapter"]["base"] == "4-bit NF4 base (bitsandbytes)"
+    fetched = download_export(exported.export_uri, tmp_path / "fetched", formats=["adapter"])
+    assert json.loads((fetched / "adapter" / "memfit-adapter.json").read_text()) == doc
 
 
 def test_qlora_resume_from_a_training_checkpoint_is_bitwise(tiny_config, tmp_path, monkeypatch):
