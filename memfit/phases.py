@@ -140,11 +140,10 @@ def _plan(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: in
     policy = plan_policy(cfg, chosen.policy, chosen.every_k, chosen.kinds)
     row = plan.row(chosen)
     from memfit.memory.estimate import model_config_for
-    from memfit.memory.evaluation import evaluation_line, evaluation_memory
+    from memfit.memory.evaluation import plan_evaluation
 
-    mem = evaluation_memory(_hf_config(probe_report.architecture) or model_config_for(cfg), chosen.n_params, cfg)
-    evaluation = {**mem.to_dict(), "fits": plan.limit_bytes is None or mem.peak <= plan.limit_bytes,
-                  "line": evaluation_line(mem, plan.limit_bytes, device.get("name") or device["type"])}
+    evaluation = plan_evaluation(_hf_config(probe_report.architecture) or model_config_for(cfg), chosen.n_params, cfg,
+                                 plan.limit_bytes, device.get("name") or device["type"], profile.kind, profile.bf16)
     return PlanReport(policy=chosen.policy, every_k=chosen.every_k or cfg.memory.every_k,
                       precision=chosen.stack.precision, micro_batch_size=chosen.stack.micro_batch_size,
                       grad_accum_steps=chosen.stack.grad_accum_steps, reason=plan.reason,
@@ -269,6 +268,7 @@ def record_recovery(tracker: Any, attempt: AttemptReport | None, resumed_step: i
 # -- phase 5 ------------------------------------------------------------------------------------------
 def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> ExportReport:
     """Load the final training checkpoint, evaluate, export SafeTensors + ONNX (verified), gate and register."""
+    from memfit.evaluation.dtype import TORCH, device_twin, phase5_dtype
     from memfit.evaluation.review import generate_heldout, generate_samples, log_generations, perplexity
     from memfit.models.lora import adapted_from_state, is_adapted, merge_lora
     from memfit.release.adapter import ADAPTER_DIR, verify_adapter, write_adapter
@@ -299,14 +299,19 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
         log.warning("export.adapter: this run trained all weights (lora.enabled=auto chose a full fine-tune): "
                     "no adapter to export; the merged SafeTensors export is the model")
     model = merge_lora(model)
-    model.to(device=device, dtype=torch.float32)  # exports and evaluation are fp32
+    # eval.dtype: fp32 on the device, or (auto, when fp32 would not fit) a 16-bit copy there, fp32 kept in host
+    # memory: the exports are written from fp32 weights either way.
+    cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"dtype": phase5_dtype(cfg, device, model)})})
+    model.to(device=device if cfg.eval.dtype == "fp32" else "cpu", dtype=torch.float32)
+    evaluated = model if cfg.eval.dtype == "fp32" else device_twin(model, device, TORCH[cfg.eval.dtype])
     adapter = (verify_adapter(adapter_dir, model, inputs.source, lora_cfg.quantize, parity_criteria(cfg.export))
                if adapter_dir else None)
-    val_loss = evaluate_loss(model, data.val, cfg.train.micro_batch_size, device, "fp32", cfg.train.eval_batches,
+    val_loss = evaluate_loss(evaluated, data.val, cfg.train.micro_batch_size, device, "fp32", cfg.train.eval_batches,
                              fields=data.val_fields)
     ppl = perplexity(val_loss)
-    samples = generate_samples(model, inputs.tokenizer, cfg.eval.prompts, cfg.eval.max_new_tokens, device)
-    heldout = generate_heldout(model, inputs.tokenizer, data.heldout, cfg.eval.max_new_tokens, device)
+    samples = generate_samples(evaluated, inputs.tokenizer, cfg.eval.prompts, cfg.eval.max_new_tokens, device)
+    heldout = generate_heldout(evaluated, inputs.tokenizer, data.heldout, cfg.eval.max_new_tokens, device)
+    del evaluated  # the 16-bit copy's device memory goes before the exports; the fp32 model stays
     # In `memfit run` the tracking process phase 3 handed back (or the one started for this run): MLflow's work
     # (model logging, registry, plots) runs there, with the store already open; elsewhere, in this process.
     tracker = make_tracker(cfg.tracking, prestarted=True)
@@ -314,6 +319,7 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
     try:
         step = train_report.steps
         tracker.log_metrics({"val_loss": val_loss, "val_perplexity": ppl}, step=step)
+        tracker.set_tags({"memfit.eval_dtype": cfg.eval.dtype})
         log_generations(tracker, samples, step)
         log_generations(tracker, heldout, step, "eval/heldout_generations.json")
         meta = scrub_obj({"source_checkpoint": final.info.uri, "mlflow_run_id": run_id, "step": final.step,

@@ -148,6 +148,11 @@ class EvalConfig(Section):
     batch_size: int = Field(1, ge=1, le=256, description="Requests per forward pass in the harness.")
     sets: list[EvalSetConfig] = Field(default_factory=list, description="The team's own eval sets: prompts with "
                                       "reference answers, answered greedily by the export and scored.")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="The dtype phase 5 evaluates in on the training device (validation loss, generations, "
+        "tasks, sets; the champion too). Exports are written and checked from fp32 weights in host memory either "
+        "way. auto: fp32, unless on CUDA its predicted peak exceeds the free memory: then bf16 (fp16 without bf16), "
+        "half the weights' bytes; the plan says which.")
     compare_champion: bool = Field(True, description="Run the same tasks and sets on the current champion too: "
                                    "its scores (champion/eval/...) feed max_drop, and a side-by-side table per "
                                    "example is logged (eval/compare/...).")

@@ -44,7 +44,11 @@ def judge_export(cfg: Any, hf_dir: str | Path, device: str, pairs: Any = None) -
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         start = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
+        from memfit.evaluation.dtype import TORCH
+
+        # eval.dtype as phase 5 resolved it (the champion is judged in the same dtype as the challenger)
+        dtype = TORCH.get(cfg.eval.dtype, torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
         if cfg.eval.sets:
             tokenizer = AutoTokenizer.from_pretrained(hf_dir)
             judged.sets = run_sets(model, tokenizer, cfg.eval.sets, torch.device(device), cfg.eval.max_new_tokens)
@@ -79,7 +83,8 @@ def eval_key(eval_cfg: Any, pairs_key: str | None = None) -> str:
                       for s in eval_cfg.sets],
              "limit": eval_cfg.limit, "num_fewshot": eval_cfg.num_fewshot, "batch_size": eval_cfg.batch_size,
              "max_new_tokens": eval_cfg.max_new_tokens, "harness": harness, "format": 1,
-             **({"pairs": pairs_key} if pairs_key else {})}
+             **({"pairs": pairs_key} if pairs_key else {}),
+             **({"dtype": eval_cfg.dtype} if eval_cfg.dtype not in ("fp32", "auto") else {})}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 

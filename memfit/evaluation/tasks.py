@@ -100,7 +100,8 @@ def run_tasks(hf_dir: str | Path, eval_cfg: Any, device: str) -> TaskScores:
     from lm_eval.models.huggingface import HFLM
 
     manager = task_manager(eval_cfg.task_paths, eval_cfg.tasks)
-    model = HFLM(pretrained=str(hf_dir), device=device, dtype="float32", batch_size=eval_cfg.batch_size)
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(eval_cfg.dtype, "float32")  # as phase 5 resolved eval.dtype
+    model = HFLM(pretrained=str(hf_dir), device=device, dtype=dtype, batch_size=eval_cfg.batch_size)
     scores = TaskScores()
     for name in eval_cfg.tasks:
         start = time.perf_counter()

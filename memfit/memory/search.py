@@ -23,7 +23,7 @@ from memfit.memory.candidates import (
 )
 from memfit.memory.compose import Estimate, Stack
 from memfit.memory.estimate import Estimator, model_config_for, n_blocks_of
-from memfit.memory.evaluation import evaluation_line, evaluation_memory
+from memfit.memory.evaluation import plan_evaluation
 from memfit.memory.plan import MeasuredPeak, Plan, assignments, choose, measured_reason
 from memfit.memory.policies import make_policy
 from memfit.memory.tracker import total
@@ -256,9 +256,8 @@ def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = N
     out = plan.to_dict()
     out["device"] = profile.name
     if plan.table:
-        mem = evaluation_memory(model_config_for(cfg), plan.table[0].n_params, cfg)
-        out["evaluation"] = {**mem.to_dict(), "fits": plan.limit_bytes is None or mem.peak <= plan.limit_bytes,
-                             "line": evaluation_line(mem, plan.limit_bytes, profile.name)}
+        out["evaluation"] = plan_evaluation(model_config_for(cfg), plan.table[0].n_params, cfg, plan.limit_bytes,
+                                            profile.name, profile.kind, profile.bf16)
     return plan, out
 
 
