@@ -119,8 +119,8 @@ class Engine(BackgroundLoop):
                     self._score(served, job)
         except Exception as err:  # noqa: BLE001 - a failed batch answers its requests; the server keeps serving
             log.exception("generation failed for a batch of %d on %s", len(batch), served.model_id)
-            for job in batch:
-                if not job.done:
+            for job in batch:  # finished ones too: none has had its end (and scores), each waits for an event
+                if not job.cancelled:
                     job.finish = "error"
                     job.push(("error", f"generation failed on {served.model_id}: {type(err).__name__}: {err}"))
             return

@@ -196,6 +196,22 @@ def test_streamed_chat_sends_the_reply_in_pieces_then_done():
         engine.stop()
 
 
+class FailingScores(SpellingBackend):
+    def logits(self, ids):
+        raise RuntimeError("no logits today")
+
+
+@pytest.mark.timeout(60)  # the bug this guards against was a request waiting forever
+def test_a_failed_batch_answers_every_request_also_one_generated_in_full():
+    client, engine = _client(FailingScores())
+    try:
+        for body in ({"max_tokens": 0, "echo": True, "logprobs": 1}, {"max_tokens": 20, "logprobs": 1}):
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", **body})
+            assert r.status_code == 500 and "no logits today" in r.json()["error"]["message"]
+    finally:
+        engine.stop()
+
+
 def test_requests_that_wait_together_share_a_batch():
     gate = threading.Event()
     backend = SpellingBackend(gate=gate)
