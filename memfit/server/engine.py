@@ -123,7 +123,7 @@ class Engine(BackgroundLoop):
                     job.finish = "length"
                     self._flush(job, served, final=True)
                 # Whatever no delta carried: all of it without stream; with stream the tokens after the last delta
-                # (an end-of-text, or a stop string cut from the text).
+                # (ones whose text a stop string cut, or with no text of their own).
                 job.scored = self._score(served, job)
         except Exception as err:  # noqa: BLE001 - a failed batch answers its requests; the server keeps serving
             log.exception("generation failed for a batch of %d on %s", len(batch), served.model_id)
