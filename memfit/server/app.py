@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,7 @@ from memfit.server import protocol as p
 from memfit.server.backends import Sampling
 from memfit.server.engine import Engine, Job
 from memfit.server.follower import Holder
-from memfit.server.logprobs import chat_logprobs, completion_logprobs
+from memfit.server.logprobs import CompletionChunks, chat_logprobs, completion_logprobs
 from memfit.server.metrics import CONTENT_TYPE, Metrics
 
 
@@ -105,7 +105,8 @@ def create_app(state: ServerState) -> FastAPI:
         rid = p.new_id("cmpl")
         echoed = (served.tokenizer.decode(ids) if isinstance(prompt, list) else prompt) if req.echo else ""
         if req.stream:
-            return _sse(_completion_chunks(job, rid, len(ids), echoed), job, state, ids)
+            shape = None if top is None else CompletionChunks(served.piece)
+            return _sse(_completion_chunks(job, rid, len(ids), echoed, shape), job, state, ids)
         await _wait(job)
         _count(state, ids, job)
         # Offsets index the returned text: with echo it starts with the prompt.
@@ -126,7 +127,8 @@ def create_app(state: ServerState) -> FastAPI:
         job = _submit(state, served, req, ids, req.max_completion_tokens or req.max_tokens, top, len(ids))
         rid = p.new_id("chatcmpl")
         if req.stream:
-            return _sse(_chat_chunks(job, rid), job, state, ids)
+            shape = None if top is None else lambda scored: chat_logprobs(scored, served.piece)
+            return _sse(_chat_chunks(job, rid, shape), job, state, ids)
         await _wait(job)
         _count(state, ids, job)
         logprobs = None if top is None else chat_logprobs(job.scored, served.piece)
@@ -150,7 +152,7 @@ def _submit(state: ServerState, served: Any, req: Any, ids: list[int], requested
     sampling = Sampling(temperature=req.temperature, top_p=req.top_p if req.temperature else 1.0,
                         seed=req.seed if req.temperature else None)
     job = Job(prompt_ids=ids, max_new=max_new, sampling=sampling, stops=p.stops(req), loop=asyncio.get_running_loop(),
-              top=top, score_from=score_from)
+              top=top, score_from=score_from, stream=req.stream)
     state.engine.submit(job)
     return job
 
@@ -191,25 +193,35 @@ def _sse(chunks: AsyncIterator[dict], job: Job, state: ServerState, ids: list[in
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _completion_chunks(job: Job, rid: str, prompt_tokens: int, echoed: str = "") -> AsyncIterator[dict]:
+Shape = Callable[[list], dict[str, Any]] | None  # a chunk's Scored → its logprobs object; None: not asked for
+
+
+async def _completion_chunks(job: Job, rid: str, prompt_tokens: int, echoed: str, shape: Shape) -> AsyncIterator[dict]:
+    def body(text: str, scored: list, finish: str | None = None, completion: int | None = None) -> dict:
+        return p.completion_body(rid, job.model_id, text, finish, prompt_tokens, completion,
+                                 None if shape is None else shape(scored))
+
     async for kind, *rest in _events(job):
         if kind == "start" and echoed:
-            yield p.completion_body(rid, job.model_id, echoed, None, prompt_tokens, None)
+            yield body(echoed, rest[1])
         elif kind == "delta":
-            yield p.completion_body(rid, job.model_id, rest[0], None, prompt_tokens, None)
+            yield body(rest[0], rest[1])
         elif kind == "end":
-            yield p.completion_body(rid, job.model_id, "", job.finish, prompt_tokens, len(job.tokens))
+            yield body("", rest[1], job.finish, len(job.tokens))
         elif kind == "error":
             yield p.error_body(rest[0], "generation_failed")
 
 
-async def _chat_chunks(job: Job, rid: str) -> AsyncIterator[dict]:
+async def _chat_chunks(job: Job, rid: str, shape: Shape) -> AsyncIterator[dict]:
+    def chunk(delta: dict[str, str], scored: list, finish: str | None = None) -> dict:
+        return p.chat_chunk(rid, job.model_id, delta, finish, None if shape is None else shape(scored))
+
     async for kind, *rest in _events(job):
         if kind == "start":
-            yield p.chat_chunk(rid, job.model_id, {"role": "assistant", "content": ""}, None)
+            yield chunk({"role": "assistant", "content": ""}, rest[1])
         elif kind == "delta":
-            yield p.chat_chunk(rid, job.model_id, {"content": rest[0]}, None)
+            yield chunk({"content": rest[0]}, rest[1])
         elif kind == "end":
-            yield p.chat_chunk(rid, job.model_id, {}, job.finish)
+            yield chunk({}, rest[1], job.finish)
         elif kind == "error":
             yield p.error_body(rest[0], "generation_failed")

@@ -174,6 +174,9 @@ class LlamaCppBackend:
         self.path = gguf_path
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
+        # Also called between generate's steps (a stream's logprobs), with the sequence being generated so far: the
+        # context then holds that same sequence and the next step goes on from it; a batch's sequences load their
+        # own state before each step anyway.
         rows = []
         for row in ids.tolist():
             self.llm.reset()

@@ -41,9 +41,12 @@ class Job:
     enqueued: float = field(default_factory=time.monotonic)
     top: int | None = None  # logprobs wanted with this many alternatives per position; None: no logprobs
     score_from: int = 0  # the first position scored: 0 with echo (the prompt too), else the first generated one
-    scored: list = field(default_factory=list)  # logprobs.Scored per position from score_from on
+    scored: list = field(default_factory=list)  # logprobs.Scored per position not already sent with a delta
+    stream: bool = False  # logprobs go out with each event (start, delta, end), not only at the end
+    scored_to: int = 0  # positions before this one are scored (set from score_from)
 
     def __post_init__(self) -> None:
+        self.scored_to = self.score_from
         if self.max_new == 0:  # echo with max_tokens 0: only the prompt is scored
             self.finish = "length"
 
@@ -106,37 +109,50 @@ class Engine(BackgroundLoop):
     def run_batch(self, batch: list[Job]) -> None:
         """Generate for `batch` on the model serving now (a swap during the batch affects only later batches)."""
         served = self.holder.current
-        for job in batch:
-            job.model_id = served.model_id
-            job.push(("start", served.model_id))
         try:
+            for job in batch:
+                job.model_id = served.model_id
+                # A stream's echoed prompt is its first chunk: the prompt's scores go with it.
+                job.push(("start", served.model_id, self._live(served, job, len(job.prompt_ids))))
             most = max(j.max_new for j in batch)
             if most:
                 served.backend.generate([j.prompt_ids for j in batch], most, batch[0].sampling,
                                         lambda step: self._step(served, batch, step), lambda: [j.done for j in batch])
             for job in batch:
-                if job.top is not None and not job.cancelled:
-                    self._score(served, job)
+                if job.finish is None:
+                    job.finish = "length"
+                    self._flush(job, served, final=True)
+                # Whatever no delta carried: all of it without stream; with stream the tokens after the last delta
+                # (ones whose text a stop string cut, or with no text of their own).
+                job.scored = self._score(served, job)
         except Exception as err:  # noqa: BLE001 - a failed batch answers its requests; the server keeps serving
             log.exception("generation failed for a batch of %d on %s", len(batch), served.model_id)
-            for job in batch:
-                if not job.done:
+            for job in batch:  # finished ones too: none has had its end (and scores), each waits for an event
+                if not job.cancelled:
                     job.finish = "error"
                     job.push(("error", f"generation failed on {served.model_id}: {type(err).__name__}: {err}"))
             return
         for job in batch:
-            if job.finish is None:
-                job.finish = "length"
-                self._flush(job, served, final=True)
-            job.push(("end", job.finish))
+            job.push(("end", job.finish, job.scored))
 
     @staticmethod
-    def _score(served: Any, job: Job) -> None:
-        """One forward pass over prompt + completion (no sampling temperature: the model's own distribution); in
-        this thread, so the backend never runs two batches at once."""
-        ids = job.prompt_ids + job.tokens
+    def _score(served: Any, job: Job, upto: int | None = None) -> list:
+        """The positions from job.scored_to to `upto` (default: the whole sequence so far), from one forward pass
+        over the sequence up to there (no sampling temperature: the model's own distribution); in this thread, so
+        the backend never runs two batches at once."""
+        ids = (job.prompt_ids + job.tokens)[:upto]
+        if job.top is None or job.cancelled or job.scored_to >= len(ids):
+            return []
         logits = served.backend.logits(np.array([ids]))[0]
-        job.scored = score(logits, ids, job.score_from, job.top or 0)
+        out = score(logits, ids, job.scored_to, job.top or 0)
+        job.scored_to = len(ids)
+        return out
+
+    def _live(self, served: Any, job: Job, upto: int | None = None) -> list:
+        """A stream's scores so far, to go with the event pushed now; nothing for a request answered at the end,
+        which is scored in one pass there. A stream pays one pass per chunk (prefixes of the same sequence, so
+        the numbers match that one pass within float rounding)."""
+        return self._score(served, job, upto) if job.stream else []
 
     def _step(self, served: Any, batch: list[Job], step: list[int]) -> None:
         for job, tok in zip(batch, step, strict=True):
@@ -164,5 +180,7 @@ class Engine(BackgroundLoop):
             # A stop string may be forming at the end: keep back as many characters as the longest one.
             ready = max(job.sent, ready - max((len(s) - 1 for s in job.stops), default=0))
         if ready > job.sent:
-            job.push(("delta", job.text[job.sent:ready]))
+            # The tokens since the last delta, though a stop string being held back may leave part of the last
+            # one's text for the next delta.
+            job.push(("delta", job.text[job.sent:ready], self._live(served, job)))
             job.sent = ready

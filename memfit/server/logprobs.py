@@ -53,6 +53,19 @@ def completion_logprobs(scored: list[Scored], piece: Piece, text_start: int = 0)
             "text_offset": offsets}
 
 
+class CompletionChunks:
+    """The completions `logprobs` of a stream's chunks, one call per chunk: its own tokens, with text_offset going
+    on from the previous chunk's, so the chunks joined equal the answer without stream."""
+
+    def __init__(self, piece: Piece):
+        self.piece, self.at = piece, 0
+
+    def __call__(self, scored: list[Scored]) -> dict[str, Any]:
+        out = completion_logprobs(scored, self.piece, self.at)
+        self.at += sum(len(t) for t in out["tokens"])
+        return out
+
+
 def chat_logprobs(scored: list[Scored], piece: Piece) -> dict[str, Any]:
     """The /v1/chat/completions `logprobs` object: one entry per generated token, each with its top_logprobs."""
 

@@ -107,9 +107,7 @@ def scoring(req: CompletionRequest | ChatRequest) -> int | None:
             raise RequestError(400, "max_tokens: 0 generates nothing; set echo to true to score the prompt, or ask "
                                     "for at least 1 token", "max_tokens")
         top = req.logprobs
-    if top is not None and req.stream:
-        raise RequestError(400, "logprobs: not given with stream here; ask without stream", "logprobs")
-    return top
+    return top  # with stream too: each chunk carries its tokens' logprobs (engine.py)
 
 
 def stops(req: _Body) -> list[str]:
@@ -166,9 +164,10 @@ def chat_body(rid: str, model: str, text: str, finish: str | None, prompt_tokens
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
+def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

@@ -220,6 +220,48 @@ def test_serve_model_serves_the_gguf_through_llama_cpp_like_transformers(llama_r
         answers("llama.cpp", "q4_k_m")
 
 
+def test_llama_cpp_streams_logprobs_that_join_to_the_answer_without_stream(llama_run):
+    """The llama.cpp backend scores a stream's chunks between its generation steps, in its one context (alone, or two
+    streams taking turns in a batch): the chunks joined are the answer without stream, its text unchanged."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from memfit.server.run import start_in_thread
+
+    cfg, _ = llama_run
+    served = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={
+        "backend": "llama.cpp", "gguf_quant": "f16", "follow_alias": False, "batch_wait_ms": 200.0})})
+    running = start_in_thread(served, str(Path(cfg.export.dir)), port=0)
+    try:
+        api = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        model = running.state.holder.current.files.name
+
+        def both(prompt: str) -> tuple:
+            body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2, "echo": True}
+            chunks = [c.choices[0] for c in api.completions.create(**body, stream=True)]
+            return api.completions.create(**body).choices[0], chunks
+
+        with ThreadPoolExecutor(2) as pool:  # the two streams share a batch
+            answers = list(pool.map(both, PROMPTS[:2])) + [both(PROMPTS[2])]
+        for whole, chunks in answers:
+            parts = [c.logprobs for c in chunks]
+            assert "".join(c.text for c in chunks) == whole.text
+            assert [t for lp in parts for t in lp.tokens] == whole.logprobs.tokens
+            assert [x for lp in parts for x in lp.token_logprobs] == pytest.approx(whole.logprobs.token_logprobs,
+                                                                                   abs=1e-5)  # measured: equal
+        chat = {"model": model, "messages": [{"role": "user", "content": "one two"}], "max_tokens": 6,
+                "temperature": 0, "logprobs": True, "top_logprobs": 2}
+        whole = api.chat.completions.create(**chat).choices[0]
+        chunks = [c.choices[0] for c in api.chat.completions.create(**chat, stream=True)]
+        got = [e for c in chunks for e in c.logprobs.content]
+        assert "".join(c.delta.content or "" for c in chunks) == whole.message.content
+        assert [e.token for e in got] == [e.token for e in whole.logprobs.content]
+        assert [e.logprob for e in got] == pytest.approx([e.logprob for e in whole.logprobs.content], abs=1e-5)
+    finally:
+        running.stop()
+
+
 def test_gguf_for_a_family_without_mapping_stops_before_training(tiny_config):
     from memfit.errors import ConfigError
     from memfit.preflight import preflight

@@ -1,5 +1,5 @@
 """memfit serve-model over a real tiny champion (trained once, registered in a SQLite MLflow store), spoken to with
-the `openai` client on 127.0.0.1: completions, chat, streaming, bad input, the ONNX backend, the alias moving."""
+the `openai` client on 127.0.0.1: completions, chat, streaming, logprobs, bad input, both backends, the alias moving."""
 
 from __future__ import annotations
 
@@ -32,10 +32,26 @@ def server(champion):
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def hf_server(champion):
+    """The champion's export folder served by the transformers backend (`server` serves it through onnxruntime)."""
+    from memfit.server.run import start_in_thread
+
+    cfg, report = champion
+    hf_cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"backend": "transformers"})})
+    running = start_in_thread(hf_cfg, str(report.onnx_path).rsplit("/", 1)[0], port=0)
+    yield running
+    running.stop()
+
+
+def _openai(running):
     import openai
 
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return _openai(server)
 
 
 def test_completion_and_chat_through_the_openai_client(server, client):
@@ -120,28 +136,21 @@ def _rehash(hf):
     (hf / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
-def test_both_backends_serve_the_same_greedy_text(champion, server, client):
-    from memfit.server.run import start_in_thread
-
-    cfg, report = champion
+def test_both_backends_serve_the_same_greedy_text(server, hf_server, client):
+    running = hf_server
     assert httpx.get(f"{server.url}/health").json()["backend"] == "onnx"  # auto on CPU, the export has ONNX
-    hf_cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"backend": "transformers"})})
-    running = start_in_thread(hf_cfg, str(report.onnx_path).rsplit("/", 1)[0], port=0)
-    try:
-        assert httpx.get(f"{running.url}/health").json()["backend"] == "transformers"
-        body = {"model": "export", "prompt": "the cat", "max_tokens": 10, "temperature": 0}
-        got = httpx.post(f"{running.url}/v1/completions", json=body).json()["choices"][0]["text"]
-        want = client.completions.create(**{**body, "model": "tiny"}).choices[0].text
-        assert got == want
-        # The same log-probabilities from onnxruntime and from transformers, within the export's parity bound.
-        score = {"prompt": "the cat sat on the", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
-        hf = httpx.post(f"{running.url}/v1/completions", json={**score, "model": "export"}).json()["choices"][0]
-        ort = client.completions.create(**{**score, "model": "tiny"}).choices[0]
-        assert hf["logprobs"]["tokens"] == ort.logprobs.tokens
-        assert hf["logprobs"]["token_logprobs"][0] is None and ort.logprobs.token_logprobs[0] is None
-        assert hf["logprobs"]["token_logprobs"][1:] == pytest.approx(ort.logprobs.token_logprobs[1:], abs=1e-4)
-    finally:
-        running.stop()
+    assert httpx.get(f"{running.url}/health").json()["backend"] == "transformers"
+    body = {"model": "export", "prompt": "the cat", "max_tokens": 10, "temperature": 0}
+    got = httpx.post(f"{running.url}/v1/completions", json=body).json()["choices"][0]["text"]
+    want = client.completions.create(**{**body, "model": "tiny"}).choices[0].text
+    assert got == want
+    # The same log-probabilities from onnxruntime and from transformers, within the export's parity bound.
+    score = {"prompt": "the cat sat on the", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    hf = httpx.post(f"{running.url}/v1/completions", json={**score, "model": "export"}).json()["choices"][0]
+    ort = client.completions.create(**{**score, "model": "tiny"}).choices[0]
+    assert hf["logprobs"]["tokens"] == ort.logprobs.tokens
+    assert hf["logprobs"]["token_logprobs"][0] is None and ort.logprobs.token_logprobs[0] is None
+    assert hf["logprobs"]["token_logprobs"][1:] == pytest.approx(ort.logprobs.token_logprobs[1:], abs=1e-4)
 
 
 def _direct_logprobs(hf_dir: str, ids: list[int]) -> list[float]:
@@ -183,6 +192,45 @@ def test_logprobs_from_both_endpoints_through_the_openai_client(champion, client
     plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "one two"}],
                                            max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("backend", ["onnx", "transformers"])
+def test_streamed_logprobs_joined_equal_the_answer_without_stream(backend, request):
+    """With stream each chunk carries its own tokens' logprobs; joined they are the answer without stream: the same
+    tokens, text and offsets, the numbers within 1e-5 (each chunk is scored from a prefix of the sequence)."""
+    running = request.getfixturevalue({"onnx": "server", "transformers": "hf_server"}[backend])
+    assert httpx.get(f"{running.url}/health").json()["backend"] == backend
+    api, model = _openai(running), running.state.holder.current.files.name
+    for ask in ({"prompt": "the cat sat on the", "max_tokens": 6, "logprobs": 3, "echo": True},
+                {"prompt": "one two three", "max_tokens": 8, "logprobs": 2}):
+        body = {"model": model, "temperature": 0, **ask}
+        whole = api.completions.create(**body).choices[0]
+        chunks = [c.choices[0] for c in api.completions.create(**body, stream=True)]
+        assert "".join(c.text for c in chunks) == whole.text and whole.text
+        want, parts = whole.logprobs, [c.logprobs for c in chunks]
+        assert sum(1 for lp in parts if lp.tokens) > 2, ask  # token by token, not all at the end
+        assert [t for lp in parts for t in lp.tokens] == want.tokens
+        assert [o for lp in parts for o in lp.text_offset] == want.text_offset
+        assert [x for lp in parts for x in lp.token_logprobs] == pytest.approx(want.token_logprobs, abs=1e-5)
+        tops = [top for lp in parts for top in lp.top_logprobs]
+        assert len(tops) == len(want.top_logprobs) and all(
+            got == (None if top is None else pytest.approx(top, abs=1e-5))
+            for got, top in zip(tops, want.top_logprobs, strict=True))
+
+    body = {"model": model, "messages": [{"role": "user", "content": "one two"}], "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    whole = api.chat.completions.create(**body).choices[0]
+    chunks = [c.choices[0] for c in api.chat.completions.create(**body, stream=True)]
+    assert "".join(c.delta.content or "" for c in chunks) == whole.message.content
+    got, want = [e for c in chunks for e in c.logprobs.content], whole.logprobs.content
+    # The tiny champion's chat replies are short ("." then the end of text): many tokens are the completions' part.
+    assert want and [(e.token, e.bytes) for e in got] == [(e.token, e.bytes) for e in want]
+    assert [[t.token for t in e.top_logprobs] for e in got] == [[t.token for t in e.top_logprobs] for e in want]
+
+    def numbers(entries):
+        return [lp for e in entries for lp in (e.logprob, *(t.logprob for t in e.top_logprobs))]
+
+    assert numbers(got) == pytest.approx(numbers(want), abs=1e-5)
 
 
 def _token_ids(hf_dir: str, text: str) -> list[int]:
@@ -292,3 +340,4 @@ def test_alias_move_is_served_without_restart_and_a_broken_version_keeps_the_old
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'memfit_model_swaps_total{result="ok"} 1.0' in metrics
     assert 'memfit_model_swaps_total{result="failed"} 1.0' in metrics
+

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from memfit.server import protocol as p
-from memfit.server.logprobs import chat_logprobs, completion_logprobs, score
+from memfit.server.logprobs import CompletionChunks, chat_logprobs, completion_logprobs, score
 
 pytestmark = pytest.mark.unit
 LOGITS = np.random.default_rng(0).normal(size=(5, 11)).astype(np.float32)
@@ -57,13 +57,22 @@ def test_the_chat_shape_names_tokens_bytes_and_alternatives():
     assert [c["logprob"] for c in out["content"]] == [s.logprob for s in score(LOGITS, IDS, 2, 0)]
 
 
+def test_stream_chunks_offsets_go_on_from_the_previous_chunk():
+    scored = score(LOGITS, IDS, 0, 2)
+    piece = lambda t: "ab" if t == 7 else str(t)  # noqa: E731
+    chunks = CompletionChunks(piece)
+    parts = [chunks(scored[:2]), chunks([]), chunks(scored[2:])]
+    whole = completion_logprobs(scored, piece)
+    assert {k: sum((part[k] for part in parts), []) for k in whole} == whole
+    assert parts[1] == {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
 def test_request_rules_for_logprobs_and_echo():
     req = p.CompletionRequest(model="m", prompt=[[5, 6, 7]], max_tokens=0, echo=True, logprobs=1)
     assert p.single_prompt(req) == [5, 6, 7] and p.scoring(req) == 1
     assert p.single_prompt(p.CompletionRequest(model="m", prompt=[5, 6])) == [5, 6]
     for bad, needle, param in (
         (p.CompletionRequest(model="m", prompt="x", max_tokens=0), "set echo to true", "max_tokens"),
-        (p.CompletionRequest(model="m", prompt="x", logprobs=2, stream=True), "without stream", "logprobs"),
         (p.ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], top_logprobs=2), "logprobs to true",
          "top_logprobs"),
     ):
@@ -72,5 +81,9 @@ def test_request_rules_for_logprobs_and_echo():
         assert err.value.status == 400 and err.value.param == param
     assert p.scoring(p.ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True)) == 0
     assert p.scoring(p.ChatRequest(model="m", messages=[{"role": "user", "content": "x"}])) is None
+    # With stream too: each chunk carries its own tokens' logprobs.
+    assert p.scoring(p.CompletionRequest(model="m", prompt="x", logprobs=2, stream=True, echo=True)) == 2
+    assert p.scoring(p.ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                   top_logprobs=3, stream=True)) == 3
     with pytest.raises(p.RequestError, match="token id 40 is outside the model's vocabulary of 32"):
         p.checked_ids([1, 40], 32)

@@ -122,6 +122,11 @@ class SpellingBackend:
                 return
             emit([ord(ch)] * len(prompts))
 
+    def logits(self, ids):
+        # Each row from the tokens up to it alone, as a causal model's: scoring a prefix gives the same rows.
+        return np.stack([np.stack([np.random.default_rng(list(row[:t + 1])).normal(size=128) for t in range(len(row))])
+                         for row in ids.tolist()]).astype(np.float32)
+
 
 @dataclass
 class StandIn:
@@ -140,6 +145,9 @@ class StandIn:
 
     def chat_prompt(self, messages):
         return self.tokenizer.apply_chat_template(messages)
+
+    def piece(self, token):
+        return chr(token)
 
 
 def _client(backend: SpellingBackend, max_queue: int = 8, max_batch: int = 4):
@@ -192,6 +200,62 @@ def test_streamed_chat_sends_the_reply_in_pieces_then_done():
         assert len(chunks) > 3  # token by token, not the whole reply in one chunk
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    finally:
+        engine.stop()
+
+
+def _sse_choices(client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: "))["choices"][0] for line in lines[:-1]]
+
+
+def test_streamed_logprobs_joined_are_the_answer_without_stream():
+    """Each chunk carries its own tokens' logprobs; joined they equal the one answer, also when the end of text, a
+    stop string (its text cut, its tokens scored) or the budget ends it, and with the echoed prompt."""
+    client, engine = _client(SpellingBackend())
+    try:
+        # (request, tokens scored): "hello world" then the end of text; "hello w" holds the stop string
+        for body, n in (({"max_tokens": 20, "logprobs": 2}, 11), ({"max_tokens": 4, "logprobs": 0}, 4),
+                        ({"stop": "o w", "logprobs": 1}, 7), ({"max_tokens": 5, "echo": True, "logprobs": 3}, 2 + 5),
+                        ({"max_tokens": 0, "echo": True, "logprobs": 3}, 2)):
+            body = {"model": "m", "prompt": "hi", **body}
+            whole = client.post("/v1/completions", json=body).json()["choices"][0]
+            chunks = _sse_choices(client, "/v1/completions", body)
+            assert "".join(c["text"] for c in chunks) == whole["text"]
+            joined = {k: sum((c["logprobs"][k] for c in chunks), []) for k in whole["logprobs"]}
+            assert joined == whole["logprobs"], body  # the stand-in's rows depend on the prefix alone: exact
+            assert len(joined["tokens"]) == n, body
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2,
+                "stop": "o w"}
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        chunks = _sse_choices(client, "/v1/chat/completions", body)
+        assert "".join(c["delta"].get("content", "") for c in chunks) == whole["message"]["content"] == "hell"
+        assert sum((c["logprobs"]["content"] for c in chunks), []) == whole["logprobs"]["content"]
+        assert len([c for c in chunks if c["logprobs"]["content"]]) > 3  # token by token, not all at the end
+        plain = _sse_choices(client, "/v1/chat/completions", {**body, "logprobs": False, "top_logprobs": None})
+        assert all(c["logprobs"] is None for c in plain)
+    finally:
+        engine.stop()
+
+
+class FailingScores(SpellingBackend):
+    def logits(self, ids):
+        raise RuntimeError("no logits today")
+
+
+@pytest.mark.timeout(60)  # the bug this guards against was a request waiting forever
+def test_a_failed_batch_answers_every_request_also_one_generated_in_full():
+    client, engine = _client(FailingScores())
+    try:
+        for body in ({"max_tokens": 0, "echo": True, "logprobs": 1}, {"max_tokens": 20, "logprobs": 1}):
+            r = client.post("/v1/completions", json={"model": "m", "prompt": "hi", **body})
+            assert r.status_code == 500 and "no logits today" in r.json()["error"]["message"]
+        with client.stream("POST", "/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "stream": True}) as r:
+            last = [line for line in r.iter_lines() if line][-2]  # before [DONE]
+        assert json.loads(last.removeprefix("data: "))["error"]["code"] == "generation_failed"
     finally:
         engine.stop()
 
