@@ -6,6 +6,24 @@ from pathlib import Path
 from typing import Any
 
 
+def record_puts(monkeypatch: Any, store_cls: type) -> list[str]:
+    """The keys a store class is asked to write (put_file and put_bytes), in order, for tests of upload order."""
+    order: list[str] = []
+    put_file, put_bytes = store_cls.put_file, store_cls.put_bytes
+
+    def record_file(self: Any, path: Any, key: str, **kw: Any) -> Any:
+        order.append(key)
+        return put_file(self, path, key, **kw)
+
+    def record_bytes(self: Any, key: str, data: bytes) -> Any:
+        order.append(key)
+        return put_bytes(self, key, data)
+
+    monkeypatch.setattr(store_cls, "put_file", record_file)
+    monkeypatch.setattr(store_cls, "put_bytes", record_bytes)
+    return order
+
+
 def cli_in_process(*args: str) -> Any:
     """`memfit ARGS` in this process (a subprocess costs seconds of imports a call): the same exit code, stdout
     and stderr (typer's CliRunner result). For commands whose process itself is not what a test checks."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests_support import record_puts
 
 from memfit import phases
 
@@ -27,20 +28,7 @@ def _record_s3_writes(monkeypatch) -> list[str]:
     """The keys the S3 store is asked to write, in order (the upload runs in this process)."""
     from memfit.storage.s3 import S3Store
 
-    order: list[str] = []
-    put_file, put_bytes = S3Store.put_file, S3Store.put_bytes
-
-    def record_file(self, path, key, **kw):
-        order.append(key)
-        return put_file(self, path, key, **kw)
-
-    def record_bytes(self, key, data):
-        order.append(key)
-        return put_bytes(self, key, data)
-
-    monkeypatch.setattr(S3Store, "put_file", record_file)
-    monkeypatch.setattr(S3Store, "put_bytes", record_bytes)
-    return order
+    return record_puts(monkeypatch, S3Store)
 
 
 def test_the_adapter_loads_onto_its_base_with_peft_and_equals_the_merged_export(tiny_config, tmp_path, s3_bucket,

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from tests_support import record_puts
 
 from memfit.errors import ExportError, StorageError
 from memfit.release.from_checkpoint import ExportFiles
@@ -49,20 +50,7 @@ def _export(root: Path, *, gguf: bool = True, quantization: str = "nf4") -> Expo
 @pytest.fixture()
 def put_order(monkeypatch):
     """The keys the local store is asked to write, in order."""
-    order: list[str] = []
-    put_file, put_bytes = LocalStore.put_file, LocalStore.put_bytes
-
-    def record_file(self, path, key, **kw):
-        order.append(key)
-        return put_file(self, path, key, **kw)
-
-    def record_bytes(self, key, data):
-        order.append(key)
-        return put_bytes(self, key, data)
-
-    monkeypatch.setattr(LocalStore, "put_file", record_file)
-    monkeypatch.setattr(LocalStore, "put_bytes", record_bytes)
-    return order
+    return record_puts(monkeypatch, LocalStore)
 
 
 def test_every_format_goes_up_and_the_manifest_last(tmp_path, put_order):
