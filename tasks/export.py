@@ -8,6 +8,7 @@ from prefect.cache_policies import NO_CACHE
 
 from memfit import phases
 from memfit.config import MemfitConfig
+from memfit.release.adapter import base_statement
 from memfit.reports import ExportReport, TrainReport
 
 
@@ -30,6 +31,7 @@ def export_task(config: MemfitConfig, trained: TrainReport) -> ExportReport:
             f"| perplexity | {report.final_val_perplexity:.3f} |",
             f"| SafeTensors folder | `{report.safetensors_dir}` (reload diff {report.safetensors_max_abs_diff:.2e}) |",
             f"| ONNX | {onnx} |",
+            *_format_rows(report),
             f"| from training checkpoint | `{report.source_checkpoint}` |",
             f"| MLflow run | `{trained.mlflow_run_id}` |",
             *_registry_rows(report),
@@ -52,6 +54,22 @@ def _link_mlflow_run(config: MemfitConfig, run_id: str) -> None:
         create_markdown_artifact(key="mlflow-run", description="Where the MLflow run is", markdown=(
             f"MLflow run `{run_id}` is in the local store `{uri}`.\n\n"
             f"Open it with `mlflow ui --backend-store-uri {uri}` and browse to the run id."))
+
+
+def _format_rows(report: ExportReport) -> list[str]:
+    """The adapter and GGUF exports with their checks, and the scores the gate read (tasks, sets, DPO pairs)."""
+    rows = []
+    if report.adapter:
+        a = report.adapter
+        rows.append(f"| LoRA adapter | `{a['dir']}` (peft on its {base_statement(a['base_quantization'])}: max abs "
+                    f"diff {a['max_abs_diff']:.2e}, top-1 {a['top1_agree']:.1%}) |")
+    if report.gguf:
+        files = "; ".join(f"`{f['file']}` top-1 {f['top1_agree']:.1%}, greedy {f['greedy_equal']}/{f['prompts']}"
+                          for f in report.gguf["files"])
+        rows.append(f"| GGUF (llama.cpp vs transformers) | {files} |")
+    rows += [f"| {k} | {v:.4f} |" for k, v in sorted(report.task_scores.items())
+             if k.startswith(("eval/", "champion/eval/")) and not k.endswith(("_stderr", "/examples", "/pairs"))]
+    return rows
 
 
 def _registry_rows(report: ExportReport) -> list[str]:
