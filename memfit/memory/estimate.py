@@ -162,8 +162,11 @@ class Estimator:
     def __init__(self, hf_config: Any, seq_len: int, profile: DeviceProfile, *, lora_cfg: Any | None = None,
                  save_ops: Sequence[str] = (), block_class: str | None = None, weight_decay: float = 0.01,
                  max_grad_norm: float | None = 1.0, anchor_micro_batch: int | None = None,
-                 loss_chunk_tokens: int = 1024, dpo: Any | None = None) -> None:
+                 loss_chunk_tokens: int = 1024, dpo: Any | None = None, attention_mask: bool = False) -> None:
         self.hf_config = hf_config
+        # The run's batches carry an explicit [rows, 1, seq, seq] mask (padding per batch, padding-free packs on a
+        # kernel without varlen): traced with one, for SDPA's copy of it in each layer (see MaskedLoss).
+        self.attention_mask = attention_mask
         # train.objective dpo (its config section): a micro-batch of pairs is twice the rows, plus the reference.
         self.dpo = dpo
         self.rows_per_example = 2 if dpo is not None else 1
@@ -352,7 +355,8 @@ class Estimator:
     def _loss(self, stack: Stack) -> Any:
         from memfit.training.loss import loss_by_name
 
-        return loss_by_name(stack.loss, self.loss_chunk_tokens)
+        loss = loss_by_name(stack.loss, self.loss_chunk_tokens)
+        return MaskedLoss(loss) if self.attention_mask else loss
 
     def estimate(self, stack: Stack, kinds: Sequence[str]) -> Estimate:
         stack = self.resolved(stack)
@@ -367,6 +371,22 @@ class Estimator:
         mode = reference_mode(self.dpo.reference, self.dpo.loss_type, stack.lora)
         vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
         return with_reference(estimate, mode, vocab, stack.micro_batch_size * self.rows_per_example, self.seq_len)
+
+
+class MaskedLoss:
+    """A loss policy traced with the explicit 4-D boolean mask the run's batches carry ([rows, 1, seq, seq], causal:
+    its bytes do not depend on which positions it allows). SDPA converts a boolean mask to the compute dtype in
+    every layer and autograd keeps that copy for backward: layers x rows x seq^2 x 4 bytes in fp32, which a trace
+    with is_causal alone does not see (tests/integration/test_mask_estimate.py measures it)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.name = inner, inner.name
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids = batch["input_ids"]
+        rows, n = ids.shape
+        mask = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril().expand(rows, 1, n, n).contiguous()
+        return self.inner(model, {**batch, "attention_mask": mask})
 
 
 def interpolate(lo: KindTrace, hi: KindTrace, t: float) -> KindTrace:

@@ -64,12 +64,23 @@ def resolve_budget(memory_cfg: Any, profile: DeviceProfile, device_report: dict[
     return None, "none (CPU without memory.budget_gb)"
 
 
+def explicit_mask(cfg: Any, hf_config: Any) -> bool:
+    """Pure: do the run's batches carry an explicit [rows, 1, seq, seq] mask? Yes for one padded example (or pair) a
+    row and for padding-free packs, unless the model runs flash attention (varlen: no mask); blocks need none.
+    packing auto is resolved from the data only when the run prepares it: counted as masked (an upper bound)."""
+    if str(getattr(hf_config, "_attn_implementation", None) or "sdpa").startswith("flash"):
+        return False
+    return cfg.train.objective == "dpo" or cfg.data.packing != "blocks"
+
+
 def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = None) -> Estimator:
-    return Estimator(hf_config if hf_config is not None else model_config_for(cfg), cfg.data.seq_len, profile,
+    hf_config = hf_config if hf_config is not None else model_config_for(cfg)
+    return Estimator(hf_config, cfg.data.seq_len, profile,
                      lora_cfg=cfg.lora, save_ops=cfg.memory.selective_save_ops, block_class=cfg.memory.block_class,
                      weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
                      anchor_micro_batch=cfg.train.micro_batch_size, loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
-                     dpo=cfg.dpo if cfg.train.objective == "dpo" else None)
+                     dpo=cfg.dpo if cfg.train.objective == "dpo" else None,
+                     attention_mask=explicit_mask(cfg, hf_config))
 
 
 def policy_kinds(cfg: Any, n_blocks: int, policy: str) -> tuple[str, ...]:
