@@ -29,14 +29,16 @@ MOE = {
 FAMILIES = {**DENSE, **MOE}
 
 
-def family_folder(root: Path, family: str) -> Path:
-    """A random-weight from_pretrained folder of `family` (seeded) with a BPE tokenizer trained here."""
+def family_folder(root: Path, family: str, **config: object) -> Path:
+    """A random-weight from_pretrained folder of `family` (seeded) with a BPE tokenizer trained here; `config`
+    sets the family's config fields beyond the tiny defaults (a family not in FAMILIES needs its own)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = root / family
     if not (out / "config.json").exists():
         tok = bpe_tokenizer(conversation_texts(), vocab_size=400)
-        cfg = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family]}, bos_token_id=tok.bos_token_id,
+        cfg = AutoConfig.for_model(family, **{**COMMON, **FAMILIES.get(family, {}), **config},
+                                   bos_token_id=tok.bos_token_id,
                                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(cfg).save_pretrained(out)

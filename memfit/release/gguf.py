@@ -17,14 +17,13 @@ log = logging.getLogger("memfit.release")
 QUANTS = ("f16", "q8_0", "q4_k_m")
 # HF model_type → (llama.cpp architecture, whether q/k rows are permuted). llama.cpp's LLAMA graph rotates
 # interleaved pairs where HF rotates halves, so its converter (convert_hf_to_gguf.py, LlamaModel.permute) reorders
-# the q/k rows; Qwen2/3 and Phi-3 use llama.cpp's NeoX rope, which is HF's layout.
+# the q/k rows; Qwen2/3, Phi-3 and Gemma use llama.cpp's NeoX rope, which is HF's layout.
 FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False),
-            "qwen3": ("QWEN3", False), "phi3": ("PHI3", False)}
+            "qwen3": ("QWEN3", False), "phi3": ("PHI3", False), "gemma": ("GEMMA", False),
+            "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False)}
+# Gemma's RMSNorm scales by (1 + weight); llama.cpp's by weight: its converter adds 1 to every norm weight.
+NORM_OFFSET = ("GEMMA", "GEMMA2", "GEMMA3")
 UNSUPPORTED = {
-    "gemma": "Gemma's llama.cpp graph needs the RMSNorm +1 offset and its own metadata, not written by memfit yet",
-    "gemma2": "Gemma 2 needs soft-capping, sliding-window and norm-offset metadata, not written by memfit yet",
-    "gemma3_text": "Gemma 3 needs the local/global rope bases, sliding-window pattern and norm offsets, not written "
-                   "by memfit yet",
     "gpt2": "GPT-2 keeps fused Conv1D weights that llama.cpp's converter transposes; not mapped by memfit yet",
 }
 _GENERATION_TAG = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
@@ -91,6 +90,8 @@ def _write_hparams(writer: Any, hp: Hparams, cfg: dict[str, Any]) -> None:
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // hp.heads)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if hp.arch == "GEMMA3":  # one rope per layer type: the full layers' here, the sliding ones' in _gemma_hparams
+        rope = rope.get("full_attention", rope)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in ("default", "linear"):
         raise ConfigError(f"gguf: rope_type {rope_type!r} of this {hp.model_type} model is not written by memfit yet "
@@ -106,6 +107,8 @@ def _write_hparams(writer: Any, hp: Hparams, cfg: dict[str, Any]) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
     writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    if hp.arch in ("GEMMA2", "GEMMA3"):
+        _gemma_hparams(writer, cfg, head_dim)
     if cfg.get("head_dim"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -119,6 +122,30 @@ def _write_hparams(writer: Any, hp: Hparams, cfg: dict[str, Any]) -> None:
                                                  or cfg["max_position_embeddings"]))
         writer.add_sliding_window(int(cfg.get("sliding_window") or 0))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+
+
+def _gemma_hparams(writer: Any, cfg: dict[str, Any], head_dim: int) -> None:
+    """Gemma 2 and 3: soft-capping, the sliding window and which layers use it (transformers' layer_types), and
+    Gemma 3's rope base of the sliding layers. llama.cpp scales queries by 1/sqrt(head_dim) (27B by its hidden
+    size / heads); a model scaled otherwise is refused rather than exported wrong."""
+    scalar = cfg.get("query_pre_attn_scalar")
+    if scalar is not None and int(scalar) != head_dim:
+        raise ConfigError(f"gguf: this {cfg['model_type']} scales queries by query_pre_attn_scalar {scalar}, "
+                          f"llama.cpp by head_dim {head_dim}; not written by memfit (it would not be the trained "
+                          "model)")
+    if cfg.get("attn_logit_softcapping") is not None:
+        writer.add_attn_logit_softcapping(float(cfg["attn_logit_softcapping"]))
+    if cfg.get("final_logit_softcapping") is not None:
+        writer.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+    writer.add_sliding_window(int(cfg.get("sliding_window") or cfg["max_position_embeddings"]))
+    if cfg.get("layer_types"):
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    if local is not None:
+        if (local.get("rope_type") or "default") != "default":
+            raise ConfigError(f"gguf: the sliding layers' rope_type {local.get('rope_type')!r} is not written by "
+                              "memfit (default is)")
+        writer.add_rope_freq_base_swa(float(local["rope_theta"]))
 
 
 def _write_vocab(writer: Any, hf_dir: Path, vocab_size: int, tokenizer: Any) -> None:
@@ -232,10 +259,14 @@ def write_f16(hf_dir: Path, out: Path, tokenizer: Any, name: str) -> None:
     for shard in sorted(hf_dir.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if key == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+                    continue  # tied to token_embd, as llama.cpp's converter leaves it out
                 target = names.get_name(key, try_suffixes=(".weight", ".bias"))
                 if target is None:
                     raise ExportError(f"gguf: tensor {key} of {shard.name} has no llama.cpp name for {hp.arch}")
                 data = f.get_tensor(key).float()
+                if hp.arch in NORM_OFFSET and key.endswith("norm.weight"):
+                    data = data + 1.0
                 if hp.permute and key.endswith("q_proj.weight"):
                     data = _permute(data, hp.heads)
                 elif hp.permute and key.endswith("k_proj.weight"):

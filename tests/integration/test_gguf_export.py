@@ -339,3 +339,38 @@ def test_llama3_and_qwen2_pre_tokenizers_split_text_as_llama_cpp_does(tmp_path, 
     prompts = ["one two three", "12345 678, it's 3.14!", "the red fox\n\n  jumps"]
     res = export_gguf(tmp_path / "m", tmp_path / "gguf", ["f16"], prompts=prompts, min_top1={"f16": 0.98})
     assert res.files[0].greedy_equal == len(prompts)
+
+
+@pytest.mark.parametrize("family,config", [
+    ("gemma", {"head_dim": 16}),
+    ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 32}),
+    # The sliding layers' rope base set apart from llama.cpp's default (10000), so the written one is what counts.
+    ("gemma3_text", {"query_pre_attn_scalar": 16, "rope_parameters": {
+        "full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+        "sliding_attention": {"rope_theta": 500.0, "rope_type": "default"}}}),
+])
+def test_gemma_families_give_the_same_greedy_tokens_in_llama_cpp(tmp_path, family, config):
+    """Gemma's norms scale by (1 + weight), Gemma 2 soft-caps its attention and final logits, Gemma 3 gives its
+    sliding layers a rope base of their own: written as llama.cpp's graphs expect them, the f16 file answers as
+    transformers does."""
+    from family_support import family_folder
+
+    from memfit.release.gguf_export import export_gguf
+
+    folder = family_folder(tmp_path, family, **config)
+    res = export_gguf(folder, tmp_path / "gguf", ["f16", "q8_0"], prompts=PROMPTS,
+                      min_top1={"f16": 0.98, "q8_0": 0.9})
+    assert res.architecture == family.removesuffix("_text") and res.files[0].greedy_equal == len(PROMPTS)
+    _assert_greedy_equal(folder, tmp_path / "gguf" / "model-f16.gguf")
+
+
+def test_a_gemma2_whose_queries_llama_cpp_would_scale_otherwise_is_refused(tmp_path):
+    from family_support import family_folder
+
+    from memfit.errors import ConfigError
+    from memfit.release.gguf_export import export_gguf
+
+    folder = family_folder(tmp_path, "gemma2", head_dim=16, query_pre_attn_scalar=32, sliding_window=32)
+    with pytest.raises(ConfigError, match="query_pre_attn_scalar 32, llama.cpp by head_dim 16"):
+        export_gguf(folder, tmp_path / "gguf", ["f16"], prompts=PROMPTS, min_top1={"f16": 0.98})
+    assert not (tmp_path / "gguf").exists()
