@@ -20,11 +20,12 @@ QUANTS = ("f16", "q8_0", "q4_k_m")
 # the q/k rows; Qwen2/3, Phi-3 and Gemma use llama.cpp's NeoX rope, which is HF's layout.
 FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWEN2", False),
             "qwen3": ("QWEN3", False), "phi3": ("PHI3", False), "gemma": ("GEMMA", False),
-            "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False)}
+            "gemma2": ("GEMMA2", False), "gemma3_text": ("GEMMA3", False), "gpt2": ("GPT2", False)}
+# GPT-2's Conv1D layers store [in, out]; llama.cpp (like nn.Linear) wants [out, in]: its converter transposes them.
+CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 # Gemma's RMSNorm scales by (1 + weight); llama.cpp's by weight: its converter adds 1 to every norm weight.
 NORM_OFFSET = ("GEMMA", "GEMMA2", "GEMMA3")
 UNSUPPORTED = {
-    "gpt2": "GPT-2 keeps fused Conv1D weights that llama.cpp's converter transposes; not mapped by memfit yet",
 }
 _GENERATION_TAG = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
 
@@ -74,8 +75,8 @@ class Hparams:
         if (why := gguf_support(model_type)) is not None:
             raise ConfigError(f"gguf: {why}")
         arch, permute = FAMILIES[model_type]
-        heads = int(cfg["num_attention_heads"])
-        return Hparams(model_type, arch, permute, int(cfg["num_hidden_layers"]), heads,
+        heads = int(cfg.get("num_attention_heads") or cfg["n_head"])  # GPT-2's config.json keeps its own names
+        return Hparams(model_type, arch, permute, int(cfg.get("num_hidden_layers") or cfg["n_layer"]), heads,
                        int(cfg.get("num_key_value_heads") or heads)), cfg
 
 
@@ -84,9 +85,25 @@ def _permute(w: Any, heads: int) -> Any:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _gpt2_hparams(writer: Any, hp: Hparams, cfg: dict[str, Any]) -> None:
+    """GPT-2: learned positions (no rope), LayerNorm with bias, a 4 x n_embd MLP unless n_inner says otherwise."""
+    import gguf
+
+    hidden = int(cfg["n_embd"])
+    writer.add_block_count(hp.layers)
+    writer.add_context_length(int(cfg["n_positions"]))
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(int(cfg.get("n_inner") or 4 * hidden))
+    writer.add_head_count(hp.heads)
+    writer.add_layer_norm_eps(float(cfg["layer_norm_epsilon"]))
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+
+
 def _write_hparams(writer: Any, hp: Hparams, cfg: dict[str, Any]) -> None:
     import gguf
 
+    if hp.arch == "GPT2":
+        return _gpt2_hparams(writer, hp, cfg)
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // hp.heads)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -259,14 +276,18 @@ def write_f16(hf_dir: Path, out: Path, tokenizer: Any, name: str) -> None:
     for shard in sorted(hf_dir.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if key == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+                if key == "lm_head.weight" and cfg.get("tie_word_embeddings", hp.arch == "GPT2"):
                     continue  # tied to token_embd, as llama.cpp's converter leaves it out
+                if key.endswith((".attn.bias", ".attn.masked_bias")):
+                    continue  # old GPT-2 checkpoints' causal-mask buffers, not weights
                 target = names.get_name(key, try_suffixes=(".weight", ".bias"))
                 if target is None:
                     raise ExportError(f"gguf: tensor {key} of {shard.name} has no llama.cpp name for {hp.arch}")
                 data = f.get_tensor(key).float()
                 if hp.arch in NORM_OFFSET and key.endswith("norm.weight"):
                     data = data + 1.0
+                if hp.arch == "GPT2" and key.endswith(CONV1D):
+                    data = data.T.contiguous()
                 if hp.permute and key.endswith("q_proj.weight"):
                     data = _permute(data, hp.heads)
                 elif hp.permute and key.endswith("k_proj.weight"):

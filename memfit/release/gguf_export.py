@@ -88,7 +88,8 @@ def export_gguf(hf_dir: str | Path, final: str | Path, quants: list[str], *, pro
             f16.unlink()
         served = next((q for q in quants if q != "f16"), "f16")
         text, result.modelfile_template = modelfile_text(f"model-{served}.gguf", tokenizer,
-                                                         min(int(cfg["max_position_embeddings"]), 4096))
+                                                         min(int(cfg.get("max_position_embeddings")
+                                                                 or cfg["n_positions"]), 4096))
         (staged / MODELFILE_NAME).write_text(text)
         result.modelfile = str(final / MODELFILE_NAME)
         for f in result.files:  # where they will be once renamed into place

@@ -262,13 +262,29 @@ def test_llama_cpp_streams_logprobs_that_join_to_the_answer_without_stream(llama
         running.stop()
 
 
-def test_gguf_for_a_family_without_mapping_stops_before_training(tiny_config):
+def test_gguf_for_a_family_without_mapping_stops_before_training(tiny_config, tmp_path):
     from memfit.errors import ConfigError
     from memfit.preflight import preflight
 
-    with pytest.raises(ConfigError, match="GPT-2 keeps fused Conv1D") as err:
-        preflight(tiny_config(**{"export.formats": "[safetensors,gguf]", "model.preset": "tiny-gpt2"}))
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    with pytest.raises(ConfigError, match="model type 'qwen3_moe' has no GGUF mapping in memfit") as err:
+        preflight(tiny_config(**{"export.formats": "[safetensors,gguf]", "model.preset": "null",
+                                 "model.name_or_path": str(tmp_path / "moe")}))
     assert "\n" not in str(err.value)
+
+
+def test_a_gpt2_gives_the_same_greedy_tokens_in_llama_cpp(tmp_path):
+    """GPT-2's Conv1D weights ([in, out]) transposed, its learned positions and biased LayerNorms as llama.cpp's
+    GPT-2 graph reads them; the head tied to the embeddings."""
+    from family_support import family_folder
+
+    from memfit.release.gguf_export import export_gguf
+
+    folder = family_folder(tmp_path, "gpt2")
+    res = export_gguf(folder, tmp_path / "gguf", ["f16", "q8_0"], prompts=PROMPTS, min_top1={"f16": 0.98, "q8_0": 0.9})
+    assert res.architecture == "gpt2" and res.files[0].greedy_equal == len(PROMPTS)
+    _assert_greedy_equal(folder, tmp_path / "gguf" / "model-f16.gguf")
 
 
 def _sentencepiece_style_llama(folder: Path) -> Path:
