@@ -162,11 +162,14 @@ class Estimator:
     def __init__(self, hf_config: Any, seq_len: int, profile: DeviceProfile, *, lora_cfg: Any | None = None,
                  save_ops: Sequence[str] = (), block_class: str | None = None, weight_decay: float = 0.01,
                  max_grad_norm: float | None = 1.0, anchor_micro_batch: int | None = None,
-                 loss_chunk_tokens: int = 1024, dpo: Any | None = None, attention_mask: bool = False) -> None:
+                 loss_chunk_tokens: int = 1024, dpo: Any | None = None, attention_mask: bool = False,
+                 flattened: bool = False) -> None:
         self.hf_config = hf_config
         # The run's batches carry an explicit [rows, 1, seq, seq] mask (padding per batch, padding-free packs on a
         # kernel without varlen): traced with one, for SDPA's copy of it in each layer (see MaskedLoss).
         self.attention_mask = attention_mask
+        # data.flatten true on such a kernel: a micro-batch is one joined row, its mask (micro x seq)^2.
+        self.flattened = flattened
         # train.objective dpo (its config section): a micro-batch of pairs is twice the rows, plus the reference.
         self.dpo = dpo
         self.rows_per_example = 2 if dpo is not None else 1
@@ -349,7 +352,8 @@ class Estimator:
     def _batches(self, stack: Stack, count: int) -> list[torch.Tensor]:
         vocab = max(int(getattr(self.hf_config, "vocab_size", 0) or 0), 2)
         rows = stack.micro_batch_size * self.rows_per_example
-        return [torch.randint(0, vocab, (rows, self.seq_len)) for _ in range(count)]
+        shape = (1, rows * self.seq_len) if self.flattened else (rows, self.seq_len)
+        return [torch.randint(0, vocab, shape) for _ in range(count)]
 
     # -- estimates ---------------------------------------------------------------------------------------
     def _loss(self, stack: Stack) -> Any:

@@ -80,7 +80,9 @@ def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = Non
                      weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
                      anchor_micro_batch=cfg.train.micro_batch_size, loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
                      dpo=cfg.dpo if cfg.train.objective == "dpo" else None,
-                     attention_mask=explicit_mask(cfg, hf_config))
+                     attention_mask=explicit_mask(cfg, hf_config),
+                     flattened=explicit_mask(cfg, hf_config) and cfg.data.packing == "padding_free"
+                     and cfg.data.flatten is True)
 
 
 def policy_kinds(cfg: Any, n_blocks: int, policy: str) -> tuple[str, ...]:
