@@ -169,6 +169,9 @@ class EvalConfig(Section):
             task, _, metric = key.partition("/")
             if not metric:
                 raise ValueError(f"eval.gate.metrics: {key!r} is not TASK/METRIC (e.g. my_task/acc)")
+            if task == "preference" and metric not in ("accuracy", "margin"):
+                raise ValueError(f"eval.gate.metrics: {key!r}: a DPO run's held-out pairs give preference/accuracy "
+                                 "and preference/margin")
             if task not in self.tasks and task not in names and task != "preference":
                 raise ValueError(f"eval.gate.metrics: {key!r} names {task!r}, which neither eval.tasks nor eval.sets "
                                  f"runs ({', '.join(self.tasks + names) or 'none'}); add it or drop the rule")

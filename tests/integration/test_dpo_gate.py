@@ -84,3 +84,6 @@ def test_a_preference_gate_on_an_sft_run_is_refused_in_one_line(tmp_path):
                                           r"preference pairs, and train.objective is sft"):
         config.load(REPO / "configs" / "tiny.yaml",
                     tiny_overrides(tmp_path, **{"eval.gate.metrics": "{preference/accuracy: {min: 0.5}}"}))
+    with pytest.raises(ConfigError, match=r"'preference/acc': a DPO run's held-out pairs give preference/accuracy"):
+        config.load(REPO / "configs" / "dpo-tiny.yaml",
+                    tiny_overrides(tmp_path, **{"eval.gate.metrics": "{preference/acc: {min: 0.5}}"}))
