@@ -254,6 +254,7 @@ def make_reference(setting: str, loss_type: str, model: nn.Module, coverage: flo
         if setting != "auto":
             raise ConfigError("dpo.reference: copy is not supported with distributed.strategy fsdp2 (a frozen copy "
                               "of a sharded model); use precompute (or auto), or adapter_off with LoRA")
+        log.info("dpo.reference auto: an FSDP2-sharded model is not copied: precompute instead")
         mode = "precompute"
     if mode == "none":
         return Reference()
