@@ -25,8 +25,9 @@ FAMILIES = {"llama": ("LLAMA", True), "mistral": ("LLAMA", True), "qwen2": ("QWE
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 # Gemma's RMSNorm scales by (1 + weight); llama.cpp's by weight: its converter adds 1 to every norm weight.
 NORM_OFFSET = ("GEMMA", "GEMMA2", "GEMMA3")
-UNSUPPORTED = {
-}
+_MOE = ("a mixture-of-experts model: llama.cpp's expert tensors (stacked per layer) are not mapped by memfit yet; "
+        "export SafeTensors and use llama.cpp's convert_hf_to_gguf.py")
+UNSUPPORTED = {family: _MOE for family in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3")}
 _GENERATION_TAG = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
 
 

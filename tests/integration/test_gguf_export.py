@@ -268,7 +268,7 @@ def test_gguf_for_a_family_without_mapping_stops_before_training(tiny_config, tm
 
     (tmp_path / "moe").mkdir()
     (tmp_path / "moe" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
-    with pytest.raises(ConfigError, match="model type 'qwen3_moe' has no GGUF mapping in memfit") as err:
+    with pytest.raises(ConfigError, match="gguf, but a mixture-of-experts model: llama.cpp's expert") as err:
         preflight(tiny_config(**{"export.formats": "[safetensors,gguf]", "model.preset": "null",
                                  "model.name_or_path": str(tmp_path / "moe")}))
     assert "\n" not in str(err.value)
