@@ -102,3 +102,17 @@ def with_rejected_side(fields: dict[str, torch.Tensor], trained: list[int], real
     more_real = fields[REJECTED + "attention_mask"].sum(-1).tolist()
     return ([a + b for a, b in zip(trained, more_trained, strict=True)],
             [a + b for a, b in zip(real, more_real, strict=True)])
+
+
+def pairs_digest(rows: torch.Tensor, fields: dict[str, Any]) -> str:
+    """The pairs' content (rows and every field but stored reference log-probs): the eval key and the precomputed
+    reference's cache key change with it."""
+    import hashlib
+
+    h = hashlib.sha256(rows.contiguous().numpy().tobytes())
+    for name in sorted(fields):
+        value = fields[name]
+        if isinstance(value, torch.Tensor) and not name.startswith("ref_"):
+            h.update(name.encode())
+            h.update(value.contiguous().numpy().tobytes())
+    return h.hexdigest()[:24]

@@ -158,8 +158,7 @@ def judge(cfg: Any, hf_dir: str, device: str, tracker: Any, step: int, work: Pat
     for s in ours.sets:
         tracker.log_table({k: [r[k] for r in s.rows] for k in s.rows[0]}, f"eval/sets/{s.name}.json")
     metrics = ours.metrics
-    if pairs is not None:
-        from memfit.evaluation.preference import pairs_digest
+    from memfit.data.pairs import pairs_digest
 
     key = eval_key(cfg.eval, pairs_digest(*pairs) if pairs is not None else None)
     tracker.set_tags({KEY_TAG: key})

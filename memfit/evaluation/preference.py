@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -39,16 +38,3 @@ def preference_scores(model: torch.nn.Module, rows: torch.Tensor, fields: dict[s
     key = f"eval/{PREFERENCE}"
     return {f"{key}/accuracy": acc, f"{key}/accuracy_stderr": stderr, f"{key}/margin": float(margin.mean()),
             f"{key}/pairs": float(len(won))}
-
-
-def pairs_digest(rows: torch.Tensor, fields: dict[str, Any]) -> str:
-    """The held-out pairs' content, for the eval key: a champion scored on other pairs is scored again."""
-    import hashlib
-
-    h = hashlib.sha256(rows.numpy().tobytes())
-    for name in sorted(fields):
-        value = fields[name]
-        if isinstance(value, torch.Tensor) and not name.startswith("ref_"):
-            h.update(name.encode())
-            h.update(value.contiguous().numpy().tobytes())
-    return h.hexdigest()[:24]

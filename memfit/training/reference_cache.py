@@ -34,12 +34,11 @@ def weights_fingerprint(model: nn.Module, samples: int = 4096) -> str:
 def cache_key(model: nn.Module, data: Any, batch_size: int, precision: str) -> str:
     """The object name of one precompute: the pairs (both splits, every field but the stored log-probs), the
     starting weights, and what changes the numbers (micro-batch, precision)."""
-    h = hashlib.sha256(f"{batch_size}|{precision}|{weights_fingerprint(model)}".encode())
-    for rows, fields in ((data.train, data.train_fields), (data.val, data.val_fields)):
-        h.update(rows.contiguous().numpy().tobytes())
-        for name in sorted(k for k in fields if not k.startswith("ref_")):
-            h.update(name.encode())
-            h.update(fields[name].contiguous().numpy().tobytes())
+    from memfit.data.pairs import pairs_digest
+
+    parts = [str(batch_size), precision, weights_fingerprint(model), pairs_digest(data.train, data.train_fields),
+             pairs_digest(data.val, data.val_fields)]
+    h = hashlib.sha256("|".join(parts).encode())
     return f"{PREFIX}/ref-logps-{h.hexdigest()[:32]}.safetensors"
 
 
