@@ -60,4 +60,4 @@ def serve_deployments(cfg: MemfitConfig, limit: int | None = None) -> None:
     from flows.draining import serve_draining
 
     serve_draining(build_deployments(cfg), limit=limit, query_seconds=cfg.deploy.poll_seconds,
-                   drain_seconds=cfg.checkpoint.grace_seconds + 30)
+                   drain_seconds=cfg.checkpoint.grace_seconds + 30, spot_cfg=cfg.checkpoint.spot)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prefect import flow
-from prefect.states import Failed
+from prefect.states import Cancelled, Failed
 
 from flows.recovery import ends_in_named_states
 from memfit.config import MemfitConfig
@@ -11,7 +11,7 @@ from memfit.config.form import RunForm
 from memfit.errors import OnnxExportFailed
 from memfit.phases import absolute_uri
 from memfit.reports import RunSummary
-from memfit.runtime.recovery import BUDGET_SPENT
+from memfit.runtime.recovery import BUDGET_SPENT, DUPLICATE
 from memfit.tracking import scrub
 from tasks.attempt import attempt_task
 from tasks.export import export_task
@@ -30,6 +30,8 @@ def finetune(form: RunForm = RunForm(), config: MemfitConfig = MemfitConfig()) -
     config = form.apply(config)
     # Recovery: this flow run's attempt of its logical run (tags, name); a spent restart budget ends it here.
     attempt = attempt_task(config)
+    if attempt.duplicate_of:
+        return Cancelled(name=DUPLICATE, message=attempt.reason)
     if not attempt.proceed:
         return Failed(name=BUDGET_SPENT, message=attempt.reason)
     # Phase 1: environment check + baseline OOM probe (a real plain step against the budget).

@@ -27,6 +27,7 @@ SAME_PARAMETERS = {"__prefect_kind": "json",
 
 
 RESTART_NAME = "memfit: restart preempted or vanished runs"
+SHUTDOWN_NAME = "memfit: restart runs a shutting-down runner cancelled"
 
 
 def automations(cfg: MemfitConfig) -> list[Any]:
@@ -67,7 +68,23 @@ def automations(cfg: MemfitConfig) -> list[Any]:
             posture=Posture.Reactive, threshold=1, within=timedelta(0)),
         actions=[RunDeployment(source="inferred", parameters=SAME_PARAMETERS,
                                schedule_after=timedelta(seconds=rec.backoff_seconds))])
-    return [silent, restart]
+    # memfit's own runner never cancels on shutdown (flows/draining.py), but a runner or worker that is not
+    # memfit's (a plain `prefect worker`, an older memfit) does, with this message: the machine went away, not a
+    # person, so the run is restarted. A person's cancel carries another message and stays final.
+    shutdown = Automation(
+        name=SHUTDOWN_NAME,
+        description="Start a memfit deployment run again when a runner shutting down cancelled it (state message "
+                    f"{rules.RUNNER_SHUTDOWN_MESSAGE!r}); a Cancelled asked for by a person is final.",
+        trigger=EventTrigger(
+            expect={"prefect.flow-run.Cancelled"},
+            match={"prefect.resource.id": "prefect.flow-run.*",
+                   "prefect.state-message": rules.RUNNER_SHUTDOWN_MESSAGE},
+            match_related=[{"prefect.resource.id": f"prefect.tag.{rules.TAG_RECOVERY}"},
+                           {"prefect.resource.role": "deployment"}],
+            posture=Posture.Reactive, threshold=1, within=timedelta(0)),
+        actions=[RunDeployment(source="inferred", parameters=SAME_PARAMETERS,
+                               schedule_after=timedelta(seconds=rec.backoff_seconds))])
+    return [silent, restart, shutdown]
 
 
 def apply_automations(cfg: MemfitConfig, dry_run: bool = False) -> list[dict[str, Any]]:
@@ -137,10 +154,12 @@ def _describe_trigger(trigger: Any) -> str:
     if str(trigger.posture.value) == "Proactive":
         return f"no {', '.join(sorted(trigger.expect))} within {int(trigger.within.total_seconds())} s after " \
                f"{', '.join(sorted(trigger.after))} (memfit runs)"
+    message = trigger.match.root.get("prefect.state-message")
     return f"{' or '.join(sorted(trigger.expect))} of a deployment run tagged " + \
         " and ".join(m.get("prefect.resource.id", "").removeprefix("prefect.tag.")
                      for m in (r.model_dump() if hasattr(r, "model_dump") else dict(r)
-                               for r in trigger.match_related) if m.get("prefect.resource.id"))
+                               for r in trigger.match_related) if m.get("prefect.resource.id")) + \
+        (f" with state message {message!r}" if message else "")
 
 
 def _describe_actions(actions: list[Any]) -> str:
@@ -252,20 +271,21 @@ def run_status(cfg: MemfitConfig) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - one line naming the URL
         raise ConfigError(f"PREFECT_API_URL={PREFECT_API_URL.value()}: cannot read flow runs "
                           f"({type(err).__name__}); is the Prefect server up?") from None
+    restarts = 0
     for run in runs:
         attempt = next((t.removeprefix(rules.ATTEMPT_TAG_PREFIX) for t in run.tags
                         if t.startswith(rules.ATTEMPT_TAG_PREFIX)), "?")
         state = run.state
         past = rules.PastAttempt(str(run.id), state.name if state else "", state.type.value if state else "",
                                  (state.message or "") if state else "")
+        restarts += rules.restartable(past)
         out["attempts"].append({
             "attempt": int(attempt) if attempt.isdigit() else attempt, "flow_run": str(run.id), "name": run.name,
             "state": past.state_name, "cause": rules.cause_of(past) if past.state_name else None,
             "started": run.start_time.isoformat() if run.start_time else None,
             "ended": run.end_time.isoformat() if run.end_time else None,
             "message": (past.message.splitlines() or [""])[0][:200]})
-    ended = [a for a in out["attempts"] if a["state"] in rules.RESTARTABLE]
-    out["restarts_used"] = len(ended)
+    out["restarts_used"] = restarts
     return out
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from prefect import flow
-from prefect.states import Failed
+from prefect.states import Cancelled, Failed
 
 from flows.finetune import finetune
 from flows.recovery import ends_in_named_states
 from memfit.config import MemfitConfig
 from memfit.reports import RunSummary
-from memfit.runtime.recovery import BUDGET_SPENT
+from memfit.runtime.recovery import BUDGET_SPENT, DUPLICATE
 from tasks.attempt import attempt_task
 from tasks.retrain import prepare_retrain_task, report_gate_task
 
@@ -21,6 +21,8 @@ def retrain(config: MemfitConfig = MemfitConfig(), data_uri: str | None = None) 
     """Fine-tune the current champion (or the base model) on the newest data; promote only on a passed gate."""
     # Recovery: this flow run's attempt of its logical run; a spent restart budget ends it here.
     attempt = attempt_task(config)
+    if attempt.duplicate_of:
+        return Cancelled(name=DUPLICATE, message=attempt.reason)
     if not attempt.proceed:
         return Failed(name=BUDGET_SPENT, message=attempt.reason)
     # The newest data file and the current champion decide this run's config.

@@ -19,7 +19,9 @@ class AttemptReport(_Report):
     max_restarts: int = 0
     proceed: bool = True
     cause: str | None = Field(None, description="Why the previous attempt ended: preempted, vanished, crashed, "
-                              "memory_limit.")
+                              "memory_limit, runner_shutdown.")
+    duplicate_of: str | None = Field(None, description="Another live flow run of the same logical run, created "
+                                     "first: this one is a duplicate restart and ends without running.")
     previous_flow_run: str | None = None
     previous_end: float | None = Field(None, description="When the previous attempt ended (epoch seconds).")
     run_key: str | None = Field(None, description="The logical run's key (its flow runs' memfit-run: tag).")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from prefect import runtime, task
 from prefect.cache_policies import NO_CACHE
@@ -42,14 +43,24 @@ def attempt_task(config: MemfitConfig) -> AttemptReport:
             end_time=(r.end_time or (r.state.timestamp if r.state else None)).timestamp()
             if (r.end_time or r.state) else None) for r in runs if str(r.id) != str(flow_run_id)]
         decision = rules.decide_attempt(history, config.recovery.max_restarts, key)
+        duplicate = _created_earlier(client, own)
+        if duplicate is not None:
+            decision = decision.model_copy(update={
+                "proceed": False, "duplicate_of": duplicate,
+                "reason": f"a duplicate restart: flow run {duplicate}, created first with the same parameters, is "
+                          "this run's next attempt (two restarts of one end: e.g. Preempted, then Cancelled by a "
+                          "shutting-down runner)"})
         if decision.attempt > 1 and decision.proceed and not config.recovery.enabled:
             decision = decision.model_copy(update={"proceed": False, "reason": "recovery.enabled is false: "
                                                    f"not restarted after the previous attempt {decision.cause}"})
         tags = {t for t in own.tags if not t.startswith((rules.RUN_TAG_PREFIX, rules.ATTEMPT_TAG_PREFIX))}
         tags |= {rules.TAG_MEMFIT, rules.RUN_TAG_PREFIX + key, f"{rules.ATTEMPT_TAG_PREFIX}{decision.attempt}"}
         name = config.run.name if decision.attempt == 1 else f"{config.run.name}-attempt-{decision.attempt}"
+        name = f"{name}-duplicate" if decision.duplicate_of else name
         client.update_flow_run(flow_run_id, name=name, tags=sorted(tags))
     log.info("recovery: attempt %d of run %s (%s)", decision.attempt, key, decision.reason)
+    if decision.duplicate_of:
+        return decision
     if decision.proceed and decision.attempt > 1 and decision.previous_end is not None:
         rec = config.recovery
         wait = rules.backoff_wait(decision.attempt - 1, rec.backoff_seconds, rec.max_backoff_seconds,
@@ -59,3 +70,24 @@ def attempt_task(config: MemfitConfig) -> AttemptReport:
                      wait, decision.attempt - 1)
             time.sleep(wait)
     return decision
+
+
+def _created_earlier(client: Any, own: Any) -> str | None:
+    """Another flow run of this deployment, live (scheduled, pending, running), with this run's parameters, that
+    was created first: then this run is the duplicate (each of two restarts of one end decides the same)."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterDeploymentId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+
+    live = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        deployment_id=FlowRunFilterDeploymentId(any_=[own.deployment_id]),
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["SCHEDULED", "PENDING", "RUNNING"]))), limit=200)
+    same = [(r.created.timestamp() if r.created else 0.0, str(r.id)) for r in live
+            if r.parameters == own.parameters and str(r.id) != str(own.id)]
+    if not same:
+        return None
+    first = rules.first_live([*same, (own.created.timestamp() if own.created else 0.0, str(own.id))])
+    return None if first == str(own.id) else first

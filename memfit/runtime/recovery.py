@@ -15,9 +15,16 @@ PREEMPTED = "Preempted"  # SIGTERM or a spot notice: a training checkpoint was c
 MEMORY_LIMIT = "MemoryLimit"  # stopped at the memory limit with recovery.on_memory_limit: leaner (exit 76)
 CRASHED = "Crashed"  # Prefect's: the process died, or the zombie automation marked a silent run
 BUDGET_SPENT = "RestartBudgetSpent"
+DUPLICATE = "DuplicateRestart"  # a second live flow run of one logical run (two restarts of one end): ends at once
 RESTARTABLE = (CRASHED, PREEMPTED, MEMORY_LIMIT)
 # The zombie automation's message: the cause "vanished" is read back from it.
 SILENT_MESSAGE = "memfit: no heartbeat for {seconds} s: the machine is gone"
+# A draining machine (flows/draining.py) ends a run that outlived its drain deadline Preempted with this.
+DRAIN_DEADLINE_MESSAGE = ("stopped by the machine's drain ({reason}): still running {seconds:.0f} s after the notice; "
+                          "the newest training checkpoint stands")
+# What Prefect's own runner sets when it shuts down with runs in flight (CancellationManager.cancel_all): a
+# Cancelled no person asked for. A person's cancel (UI, CLI) ends "Flow run was cancelled successfully." instead.
+RUNNER_SHUTDOWN_MESSAGE = "Runner is shutting down."
 
 # Flow-run tags. A tag is how a state-change event says which automation applies (Prefect relates each tag).
 TAG_MEMFIT = "memfit"
@@ -61,8 +68,20 @@ class PastAttempt:
     end_time: float | None = None
 
 
+def cancelled_by_shutdown(attempt: PastAttempt) -> bool:
+    """Cancelled by a runner shutting down (its machine went away), not by a person."""
+    return attempt.state_type == "CANCELLED" and attempt.message.strip() == RUNNER_SHUTDOWN_MESSAGE
+
+
+def restartable(attempt: PastAttempt) -> bool:
+    """An end that recovery restarts: Crashed, Preempted, MemoryLimit, or a Cancelled no person asked for."""
+    return attempt.state_name in RESTARTABLE or cancelled_by_shutdown(attempt)
+
+
 def cause_of(attempt: PastAttempt) -> str:
-    """preempted / vanished / crashed / memory_limit / cancelled / failed / completed / running."""
+    """preempted / vanished / crashed / memory_limit / runner_shutdown / cancelled / failed / completed / running."""
+    if cancelled_by_shutdown(attempt):
+        return "runner_shutdown"
     if attempt.state_name == PREEMPTED:
         return "preempted"
     if attempt.state_name == MEMORY_LIMIT:
@@ -82,7 +101,9 @@ def decide_attempt(history: list[PastAttempt], max_restarts: int, key: str | Non
     for past in history:
         if past.state_type in ("SCHEDULED", "PENDING", "RUNNING") and past.state_name not in RESTARTABLE:
             continue  # another live or queued run of this key: not an ended attempt
-        chain = [*chain, past] if past.state_name in RESTARTABLE else []
+        if past.state_name == DUPLICATE:
+            continue  # ended without running: neither an attempt nor the end of the logical run
+        chain = [*chain, past] if restartable(past) else []
     if not chain:
         return AttemptReport(attempt=1, restarts_used=0, max_restarts=max_restarts, proceed=True,
                              run_key=key, reason="a fresh run")
@@ -96,6 +117,12 @@ def decide_attempt(history: list[PastAttempt], max_restarts: int, key: str | Non
     return AttemptReport(attempt=used + 1, restarts_used=used, max_restarts=max_restarts, proceed=True,
                          cause=cause, previous_flow_run=last.flow_run_id, previous_end=last.end_time,
                          run_key=key, reason=f"restart {used} of {max_restarts} after the previous attempt {cause}")
+
+
+def first_live(candidates: list[tuple[float, str]]) -> str:
+    """Of the live flow runs of one logical run (created epoch seconds, id), the one that goes on: the oldest (ids
+    break a tie), so that each of them, deciding alone, names the same one."""
+    return min(candidates)[1]
 
 
 def recovery_record(decision: dict[str, Any] | None, resumed_step: int | None, last_logged_step: int | None,

@@ -20,6 +20,18 @@ from memfit.errors import ConfigError
 from memfit.runtime.preemption import StopFlag
 
 log = logging.getLogger("memfit.runtime.spot")
+WATCHER_THREAD = "memfit-spot-watcher"
+
+
+def _local_only(record: logging.LogRecord) -> bool:
+    """The watcher thread's lines stay in the process's own log: a thread has no flow-run context, so Prefect's API
+    log handler (PREFECT_LOGGING_EXTRA_LOGGERS=memfit) could not send them and would warn on each."""
+    if record.threadName == WATCHER_THREAD:
+        record.send_to_api = False
+    return True
+
+
+log.addFilter(_local_only)
 
 DEFAULT_METADATA_URL = "http://169.254.169.254/latest/"  # AWS IMDS; tests point this at 127.0.0.1
 INSTANCE_ACTION = "meta-data/spot/instance-action"
@@ -182,7 +194,7 @@ class SpotWatcher:
             self._halt.wait(self.settings.poll_seconds)
 
     def start(self) -> SpotWatcher:
-        self._thread = threading.Thread(target=self._run, name="memfit-spot-watcher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=WATCHER_THREAD, daemon=True)
         self._thread.start()
         return self
 

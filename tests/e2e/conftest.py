@@ -25,3 +25,46 @@ def default_mode_bench(moto_server, prefect_home_template, tmp_path_factory):
     bench = Bench(root, moto_server, home, extra=("export.onnx=false",), rerun_timeout=300)
     bench.run_reference()
     return bench
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory, prefect_home_template, moto_server):
+    """The recovery tests' world: one Prefect server, one MLflow server, one bucket; machines are started per test
+    (tests/e2e/recovery_support.py). Session-wide: the recovery file and the stress loop share it."""
+    import time
+
+    import kill_support as ks
+    from recovery_support import machine_env
+    from servers import mlflow_server, prefect_server
+
+    root = tmp_path_factory.mktemp("recovery")
+    s3 = ks.s3_client(moto_server)
+    bucket = f"recovery-{int(time.time())}"
+    s3.create_bucket(Bucket=bucket)
+    (root / "mlflow").mkdir()
+    with prefect_server(root, Path(sys.executable).parent, prefect_home_template) as api, \
+            mlflow_server(root / "mlflow", ks.cli_env(moto_server, root)) as tracking:
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            yield {"root": root, "api": api, "tracking": tracking, "s3": s3, "bucket": bucket,
+                   "env": machine_env(moto_server, api), "endpoint": moto_server}
+
+
+@pytest.fixture(scope="session")
+def reference_weights(cluster) -> bytes:
+    """The run uninterrupted, by `memfit run` in the default mode: the weights every recovery must equal (the run's
+    name and stores do not enter the numerics, so one reference serves every test here)."""
+    import subprocess
+
+    import kill_support as ks
+    from recovery_support import BIN, TINY, overrides
+
+    folder = cluster["root"] / "reference"
+    folder.mkdir()
+    env = {**ks.cli_env(cluster["endpoint"], folder / "prefect-home")}
+    sets = overrides("reference", f"s3://{cluster['bucket']}/reference", f"sqlite:///{folder / 'mlflow.db'}")
+    done = subprocess.run([str(BIN / "memfit"), "run", TINY, *sets, "--json"], env=env, cwd=folder,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return next(folder.glob("runs/**/export/hf/model.safetensors")).read_bytes()

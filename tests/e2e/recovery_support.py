@@ -128,3 +128,98 @@ def flow_runs(client: Any, run_tag: str | None = None, deployment_id: Any = None
     flt = FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag]) if run_tag else None,
                         deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]) if deployment_id else None)
     return client.read_flow_runs(flow_run_filter=flt, sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=50)
+
+
+# -- a cluster's deployment runs (the recovery tests and the stress loop share these) -------------------------------
+
+def serve_machine(cluster: dict[str, Any], machine: Machine, run: str, *extra: str) -> Machine:
+    """`memfit serve` on that machine, with the run's config as the deployment's parameters."""
+    sets = overrides(run, f"s3://{cluster['bucket']}/{run}", cluster["tracking"], *extra)
+    return machine.start([str(BIN / "memfit"), "serve", TINY, *sets])
+
+
+def deployment_of(client: Any, machine: Machine, run: str) -> Any:
+    """The finetune deployment once this machine's `memfit serve` registered it with `run`'s config (an earlier
+    test's registration of the same deployment may still be there)."""
+    def found() -> Any:
+        assert machine.proc is not None and machine.proc.poll() is None, machine.tail()
+        try:
+            deployment = client.read_deployment_by_name("memfit-finetune/finetune")
+        except Exception:  # noqa: BLE001 - not registered yet
+            return None
+        return deployment if deployment.parameters["config"]["run"]["name"] == run else None
+
+    return wait_until("deployment registered", found, 120, machine.tail)
+
+
+def final_run(client: Any, flow_run_id: Any) -> Any:
+    run = client.read_flow_run(flow_run_id)
+    return run if run.state and run.state.is_final() else None
+
+
+def runs_of(client: Any, deployment_id: Any, run: str) -> list[Any]:
+    """The deployment's flow runs of this logical run (earlier tests ran the same deployment with other names)."""
+    return [r for r in flow_runs(client, deployment_id=deployment_id)
+            if r.parameters.get("config", {}).get("run", {}).get("name") == run]
+
+
+def next_run(client: Any, deployment_id: Any, run: str, after: set) -> Any:
+    runs = [r for r in runs_of(client, deployment_id, run) if r.id not in after]
+    return runs[0] if runs else None
+
+
+def preemption_chain(cluster: dict[str, Any], run: str, max_restarts: int, kills: int) -> tuple[Any, list[str]]:
+    """A run preempted `kills` times (SIGTERM to its machine after a new training checkpoint each time), a new
+    machine started after each; returns the last flow run once final, and the flow runs' names."""
+    from prefect.client.orchestration import get_client
+
+    s3, bucket, budget = cluster["s3"], cluster["bucket"], f"recovery.max_restarts={max_restarts}"
+    machines = [Machine(cluster["root"], f"{run}-{i}", cluster["env"]) for i in range(kills + 1)]
+    context = lambda: "\n".join(f"--- {m.dir.name} ---\n{m.tail()}" for m in machines)  # noqa: E731
+    seen: set = set()
+    try:
+        with get_client(sync_client=True) as client:
+            serve_machine(cluster, machines[0], run, budget)
+            deployment = deployment_of(client, machines[0], run)
+            current = client.create_flow_run_from_deployment(deployment.id)
+            for i in range(kills):
+                seen.add(current.id)
+                before = len(complete_checkpoints(s3, bucket, run))
+                wait_until(f"a training checkpoint of attempt {i + 1}",
+                           lambda n=before: len(complete_checkpoints(s3, bucket, run)) > n, 300, context, every=0.2)
+                machines[i].preempt()
+                ended = wait_until(f"attempt {i + 1} ended", lambda c=current: final_run(client, c.id), 60, context)
+                assert ended.state.name == "Preempted", (ended.state, context())
+                assert "training checkpoint" in ended.state.message
+                ended_at = time.monotonic()
+                # The restart exists before the silence window (50 s) could have passed: it came from the state.
+                current = wait_until("the restart scheduled", lambda: next_run(client, deployment.id, run, seen), 30,
+                                     context, every=0.5)
+                assert time.monotonic() - ended_at < 30
+                serve_machine(cluster, machines[i + 1], run, budget)
+            final = wait_until("the last attempt ended", lambda: final_run(client, current.id), 300, context, every=2)
+            return final, [r.name for r in runs_of(client, deployment.id, run)]
+    finally:
+        for m in machines:
+            m.stop()
+
+
+# Prefect's own runner serving memfit's deployment, as a plain `prefect.serve` (or a memfit before its draining
+# runner) does: on SIGTERM it cancels the runs in flight with "Runner is shutting down." — the Cancelled that no
+# person asked for, which recovery must restart.
+_PLAIN_RUNNER = """
+import os, sys
+from memfit import config
+from flows.deploy import build_deployments
+from flows.recovery import apply_automations
+from prefect import serve
+cfg = config.load(sys.argv[1], sys.argv[2:])
+os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(cfg.recovery.heartbeat_seconds))
+apply_automations(cfg)
+serve(*build_deployments(cfg, ("finetune",)), pause_on_shutdown=False, query_seconds=cfg.deploy.poll_seconds)
+"""
+
+
+def serve_plain_prefect(cluster: dict[str, Any], machine: Machine, run: str, *extra: str) -> Machine:
+    sets = overrides(run, f"s3://{cluster['bucket']}/{run}", cluster["tracking"], *extra)
+    return machine.start([sys.executable, "-c", _PLAIN_RUNNER, TINY, *sets[1::2]])

@@ -8,6 +8,9 @@ typed after a kill: detection (heartbeats), the restart (an automation) and the 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import time
 
@@ -18,66 +21,19 @@ from recovery_support import (
     TINY,
     Machine,
     complete_checkpoints,
+    deployment_of,
+    final_run,
     flow_runs,
-    ks,
-    machine_env,
+    next_run,
     overrides,
+    preemption_chain,
+    runs_of,
+    serve_machine,
+    serve_plain_prefect,
     wait_until,
 )
-from servers import mlflow_server, prefect_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, prefect_home_template, moto_server):
-    """One Prefect server, one MLflow server, one bucket; machines are started per test."""
-    root = tmp_path_factory.mktemp("recovery")
-    s3 = ks.s3_client(moto_server)
-    bucket = f"recovery-{int(time.time())}"
-    s3.create_bucket(Bucket=bucket)
-    (root / "mlflow").mkdir()
-    with prefect_server(root, BIN, prefect_home_template) as api, \
-            mlflow_server(root / "mlflow", ks.cli_env(moto_server, root)) as tracking:
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
-        with temporary_settings(updates={PREFECT_API_URL: api}):
-            yield {"root": root, "api": api, "tracking": tracking, "s3": s3, "bucket": bucket,
-                   "env": machine_env(moto_server, api), "endpoint": moto_server}
-
-
-def _serve(cluster, machine: Machine, run: str, *extra: str) -> Machine:
-    """`memfit serve` on that machine, with the run's config as the deployment's parameters."""
-    sets = overrides(run, f"s3://{cluster['bucket']}/{run}", cluster["tracking"], *extra)
-    return machine.start([str(BIN / "memfit"), "serve", TINY, *sets])
-
-
-def _deployment(client, machine: Machine, run: str):
-    """The finetune deployment once this machine's `memfit serve` registered it with `run`'s config (an earlier
-    test's registration of the same deployment may still be there)."""
-    def found():
-        assert machine.proc.poll() is None, machine.tail()
-        try:
-            deployment = client.read_deployment_by_name("memfit-finetune/finetune")
-        except Exception:  # noqa: BLE001 - not registered yet
-            return None
-        return deployment if deployment.parameters["config"]["run"]["name"] == run else None
-
-    return wait_until("deployment registered", found, 120, machine.tail)
-
-
-@pytest.fixture(scope="module")
-def reference_weights(cluster) -> bytes:
-    """The run uninterrupted, by `memfit run` in the default mode: the weights every recovery must equal (the run's
-    name and stores do not enter the numerics, so one reference serves every test here)."""
-    folder = cluster["root"] / "reference"
-    folder.mkdir()
-    env = {**ks.cli_env(cluster["endpoint"], folder / "prefect-home")}
-    sets = overrides("reference", f"s3://{cluster['bucket']}/reference", f"sqlite:///{folder / 'mlflow.db'}")
-    done = subprocess.run([str(BIN / "memfit"), "run", TINY, *sets, "--json"], env=env, cwd=folder,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return next(folder.glob("runs/**/export/hf/model.safetensors")).read_bytes()
 
 
 def test_a_vanished_machine_is_detected_restarted_elsewhere_and_finishes(cluster, reference_weights):
@@ -85,21 +41,21 @@ def test_a_vanished_machine_is_detected_restarted_elsewhere_and_finishes(cluster
     from prefect.client.orchestration import get_client
 
     run, s3, bucket = "vanish", cluster["s3"], cluster["bucket"]
-    a = _serve(cluster, Machine(cluster["root"], "machine-a", cluster["env"]), run)
+    a = serve_machine(cluster, Machine(cluster["root"], "machine-a", cluster["env"]), run)
     b = Machine(cluster["root"], "machine-b", cluster["env"])
     context = lambda: f"--- A ---\n{a.tail()}\n--- B ---\n{b.tail()}"  # noqa: E731
     try:
         with get_client(sync_client=True) as client:
-            deployment = _deployment(client, a, run)
+            deployment = deployment_of(client, a, run)
             names = {x.name for x in client.read_automations()}
             assert names >= {"memfit: mark silent runs crashed", "memfit: restart preempted or vanished runs"}
-            first = client.create_flow_run_from_deployment(deployment.id)
+            first = client.create_flow_run_fromdeployment_of(deployment.id)
             wait_until("two training checkpoints committed", lambda: len(complete_checkpoints(s3, bucket, run)) >= 2,
                        300, context, every=0.2)
             a.vanish()
             killed_at, newest = time.monotonic(), complete_checkpoints(s3, bucket, run)[-1]
             # Machine B comes up; nobody touches the run.
-            _serve(cluster, b, run)
+            serve_machine(cluster, b, run)
 
             def crashed():
                 state = client.read_flow_run(first.id).state
@@ -110,7 +66,7 @@ def test_a_vanished_machine_is_detected_restarted_elsewhere_and_finishes(cluster
             assert "no heartbeat" in (state.message or ""), state
 
             def restarted_and_done():
-                runs = [r for r in _runs_of(client, deployment.id, run) if r.id != first.id]
+                runs = [r for r in runs_of(client, deployment.id, run) if r.id != first.id]
                 final = [r for r in runs if r.state and r.state.is_final()]
                 return final[0] if final else None
 
@@ -140,62 +96,10 @@ def test_a_vanished_machine_is_detected_restarted_elsewhere_and_finishes(cluster
     assert max(steps) == 160 and set(range(1, 161)) <= set(steps)  # nothing missing from the story
 
 
-def _final(client, flow_run_id):
-    run = client.read_flow_run(flow_run_id)
-    return run if run.state and run.state.is_final() else None
-
-
-def _runs_of(client, deployment_id, run: str) -> list:
-    """The deployment's flow runs of this logical run (earlier tests ran the same deployment with other names)."""
-    return [r for r in flow_runs(client, deployment_id=deployment_id)
-            if r.parameters.get("config", {}).get("run", {}).get("name") == run]
-
-
-def _next_run(client, deployment_id, run: str, after: set) -> object:
-    runs = [r for r in _runs_of(client, deployment_id, run) if r.id not in after]
-    return runs[0] if runs else None
-
-
-def _preemption_chain(cluster, run: str, max_restarts: int, kills: int) -> tuple[object, list[str]]:
-    """A run preempted `kills` times (SIGTERM to its machine after a new training checkpoint each time), a new
-    machine started after each; returns the last flow run once final, and the flow runs' names."""
-    from prefect.client.orchestration import get_client
-
-    s3, bucket, budget = cluster["s3"], cluster["bucket"], f"recovery.max_restarts={max_restarts}"
-    machines = [Machine(cluster["root"], f"{run}-{i}", cluster["env"]) for i in range(kills + 1)]
-    context = lambda: "\n".join(f"--- {m.dir.name} ---\n{m.tail()}" for m in machines)  # noqa: E731
-    seen: set = set()
-    try:
-        with get_client(sync_client=True) as client:
-            _serve(cluster, machines[0], run, budget)
-            deployment = _deployment(client, machines[0], run)
-            current = client.create_flow_run_from_deployment(deployment.id)
-            for i in range(kills):
-                seen.add(current.id)
-                before = len(complete_checkpoints(s3, bucket, run))
-                wait_until(f"a training checkpoint of attempt {i + 1}",
-                           lambda n=before: len(complete_checkpoints(s3, bucket, run)) > n, 300, context, every=0.2)
-                machines[i].preempt()
-                ended = wait_until(f"attempt {i + 1} ended", lambda c=current: _final(client, c.id), 60, context)
-                assert ended.state.name == "Preempted", (ended.state, context())
-                assert "training checkpoint" in ended.state.message
-                ended_at = time.monotonic()
-                # The restart exists before the silence window (50 s) could have passed: it came from the state.
-                current = wait_until("the restart scheduled", lambda: _next_run(client, deployment.id, run, seen), 30,
-                                     context, every=0.5)
-                assert time.monotonic() - ended_at < 30
-                _serve(cluster, machines[i + 1], run, budget)
-            final = wait_until("the last attempt ended", lambda: _final(client, current.id), 300, context, every=2)
-            return final, [r.name for r in _runs_of(client, deployment.id, run)]
-    finally:
-        for m in machines:
-            m.stop()
-
-
 def test_preemption_restarts_at_once_and_the_budget_ends_the_run(cluster):
     """SIGTERM (a spot notice) ends the run Preempted and it is restarted after the backoff, without waiting for
     the silence window; with recovery.max_restarts: 1 the second preemption's restart ends RestartBudgetSpent."""
-    final, names = _preemption_chain(cluster, "preempt", max_restarts=1, kills=2)
+    final, names = preemption_chain(cluster, "preempt", max_restarts=1, kills=2)
     assert final.state.name == "RestartBudgetSpent", final.state
     assert "1 of recovery.max_restarts=1" in final.state.message and "preempted" in final.state.message
     assert names == ["preempt", "preempt-attempt-2", "preempt-attempt-3"], names
@@ -204,7 +108,7 @@ def test_preemption_restarts_at_once_and_the_budget_ends_the_run(cluster):
 def test_three_preemptions_three_restarts_then_completion(cluster, reference_weights):
     from mlflow import MlflowClient
 
-    final, names = _preemption_chain(cluster, "thrice", max_restarts=3, kills=3)
+    final, names = preemption_chain(cluster, "thrice", max_restarts=3, kills=3)
     assert final.state.is_completed(), final.state
     assert names == ["thrice", "thrice-attempt-2", "thrice-attempt-3", "thrice-attempt-4"], names
     weights = next((cluster["root"] / "thrice-3").glob("runs/**/export/hf/model.safetensors"))
@@ -217,6 +121,85 @@ def test_three_preemptions_three_restarts_then_completion(cluster, reference_wei
     assert mrun.data.metrics["recovery/steps_lost"] == 0  # a preemption saves at the step it stops
 
 
+def _attempts(client, deployment_id, run: str, seen: set) -> list:
+    """The runs of this logical run not seen yet, a duplicate restart (ended at once) left out."""
+    return [r for r in runs_of(client, deployment_id, run) if r.id not in seen
+            and not (r.state and r.state.name == "DuplicateRestart")]
+
+
+def _running(client, deployment_id, run: str, seen: set):
+    runs = [r for r in _attempts(client, deployment_id, run, seen) if r.state and r.state.is_running()]
+    return runs[0] if runs else None
+
+
+@pytest.mark.timeout(1500)  # three machines, two faults, and the shared reference run if this test comes first
+def test_a_runner_shutdown_cancel_is_restarted_and_a_noticed_machine_claims_nothing(cluster, reference_weights):
+    """Two faults in one logical run, each with another machine up. (1) Prefect's own runner (machine A, a plain
+    prefect.serve as an older memfit had) gets SIGTERM and cancels the run in flight, "Runner is shutting down.":
+    no person asked for that Cancelled, so recovery restarts it. (2) Machine B, running that restart, gets a spot
+    notice from its metadata service while machine C is up: B claims nothing from that moment, its run saves and
+    ends Preempted, B leaves by itself, and the restart created a second later runs on C, not on B."""
+    from fixtures.faults import FakeMetadata
+    from mlflow import MlflowClient
+    from prefect.client.orchestration import get_client
+
+    run, s3, bucket, root = "drain", cluster["s3"], cluster["bucket"], cluster["root"]
+    imds = FakeMetadata()  # B's metadata service; A and C have none (the spot watcher is off there)
+    spot = ["checkpoint.spot.poll_seconds=0.5"]
+    a = Machine(root, "drain-a", cluster["env"])
+    b = Machine(root, "drain-b", {**cluster["env"], "MEMFIT_SPOT_WATCHER": "true",
+                                  "MEMFIT_SPOT_METADATA_URL": imds.url})
+    c = Machine(root, "drain-c", cluster["env"])
+    context = lambda: "\n".join(f"--- {m.dir.name} ---\n{m.tail()}" for m in (a, b, c))  # noqa: E731
+    serving = "polling for scheduled runs"
+    try:
+        with get_client(sync_client=True) as client:
+            serve_plain_prefect(cluster, a, run, *spot)
+            deployment = deployment_of(client, a, run)
+            first = client.create_flow_run_from_deployment(deployment.id)
+            wait_until("a training checkpoint on A", lambda: complete_checkpoints(s3, bucket, run), 300, context,
+                       every=0.2)
+            serve_machine(cluster, b, run, *spot)
+            wait_until("B serving", lambda: serving in b.tail(), 120, context)
+            os.kill(a.proc.pid, signal.SIGTERM)  # Prefect's runner alone, as a shutdown stops it
+            a.proc.wait(90)
+            ended = wait_until("attempt 1 ended", lambda: final_run(client, first.id), 60, context)
+            assert ended.state.type.value == "CANCELLED" and ended.state.message == "Runner is shutting down.", \
+                (ended.state, context())
+            second = wait_until("the restart running on B", lambda: _running(client, deployment.id, run,
+                                                                             {first.id}), 120, context)
+            before = len(complete_checkpoints(s3, bucket, run))
+            wait_until("a training checkpoint on B", lambda: len(complete_checkpoints(s3, bucket, run)) > before,
+                       300, context, every=0.2)
+            # C polls every 5 s, B every second: a B still claiming would take the next restart first.
+            serve_machine(cluster, c, run, *spot, "deploy.poll_seconds=5")
+            wait_until("C serving", lambda: serving in c.tail(), 120, context)
+            imds.instance_action = {"action": "terminate", "time": "2026-12-04T00:02:00Z"}
+            ended = wait_until("attempt 2 ended", lambda: final_run(client, second.id), 60, context)
+            assert ended.state.name == "Preempted" and "training checkpoint" in ended.state.message, ended.state
+            third = wait_until("the restart scheduled", lambda: _attempts(client, deployment.id, run,
+                                                                          {first.id, second.id}), 30, context)[0]
+            assert b.proc.wait(90) == 0, context()  # drained and gone without a signal
+            third = wait_until("the restart finished", lambda: final_run(client, third.id), 400, context, every=2)
+            assert third.state.is_completed(), (third.state, context())
+            names = [r.name for r in runs_of(client, deployment.id, run)]
+    finally:
+        for m in (a, b, c):
+            m.stop()
+        imds.close()
+    assert str(third.id) not in b.tail(200_000) and c.weights() is not None and b.weights() is None, context()
+    assert c.weights().read_bytes() == reference_weights
+    assert re.search(r"spot interruption notice.*draining", b.tail(200_000)), b.tail()
+    assert "attempted to send logs to the API" not in b.tail(200_000)
+    assert [n for n in names if not n.endswith("-duplicate")] == [run, f"{run}-attempt-2", f"{run}-attempt-3"], names
+    client = MlflowClient(cluster["tracking"])
+    exp = client.get_experiment_by_name("recovery-e2e")
+    [mlrun] = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{run}'")
+    tags = mlrun.data.tags
+    assert tags["memfit.recovery.2"].startswith("cause=runner_shutdown"), tags
+    assert tags["memfit.recovery.3"].startswith("cause=preempted") and tags["memfit.attempts"] == "3", tags
+
+
 def test_bad_input_and_cancelled_runs_are_not_restarted_and_apply_is_idempotent(cluster):
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
@@ -224,22 +207,22 @@ def test_bad_input_and_cancelled_runs_are_not_restarted_and_apply_is_idempotent(
     from flows.recovery import apply_automations
     from memfit import config as cfgmod
 
-    machine = _serve(cluster, Machine(cluster["root"], "plain", cluster["env"]), "plain")
+    machine = serve_machine(cluster, Machine(cluster["root"], "plain", cluster["env"]), "plain")
     try:
         with get_client(sync_client=True) as client:
-            deployment = _deployment(client, machine, "plain")
+            deployment = deployment_of(client, machine, "plain")
             params = dict(deployment.parameters)
             params["config"] = {**params["config"], "data": {**params["config"]["data"], "path": "/nonexistent/x"}}
-            bad = client.create_flow_run_from_deployment(deployment.id, parameters=params)
-            bad = wait_until("the bad-input run ended", lambda: _final(client, bad.id), 120, machine.tail)
+            bad = client.create_flow_run_fromdeployment_of(deployment.id, parameters=params)
+            bad = wait_until("the bad-input run ended", lambda: final_run(client, bad.id), 120, machine.tail)
             assert bad.state.type.value == "FAILED" and bad.state.name == "Failed", bad.state
-            good = client.create_flow_run_from_deployment(deployment.id)
+            good = client.create_flow_run_fromdeployment_of(deployment.id)
             wait_until("running", lambda: client.read_flow_run(good.id).state.is_running(), 120, machine.tail)
             client.set_flow_run_state(good.id, Cancelling(), force=True)
-            cancelled = wait_until("cancelled", lambda: _final(client, good.id), 120, machine.tail)
+            cancelled = wait_until("cancelled", lambda: final_run(client, good.id), 120, machine.tail)
             assert cancelled.state.type.value == "CANCELLED", cancelled.state
             time.sleep(8)  # several times the restart delay (1 s): a restart would exist by now
-            ids = {r.id for r in _runs_of(client, deployment.id, "plain")}
+            ids = {r.id for r in runs_of(client, deployment.id, "plain")}
             assert ids == {bad.id, good.id}, ids
             cfg = cfgmod.load(TINY, overrides_as_list("plain", cluster))
             first, second = apply_automations(cfg), apply_automations(cfg)
@@ -299,7 +282,7 @@ def test_a_vanished_worker_machine_is_restarted_on_the_other_worker(cluster, ref
         a.start([*worker, "--name", "worker-a"])
         with get_client(sync_client=True) as client:
             deployment = client.read_deployment_by_name("memfit-finetune/finetune-workers")
-            first = client.create_flow_run_from_deployment(deployment.id)
+            first = client.create_flow_run_fromdeployment_of(deployment.id)
             wait_until("two training checkpoints committed", lambda: len(complete_checkpoints(s3, bucket, run)) >= 2,
                        300, context, every=0.2)
             a.vanish()
@@ -358,22 +341,22 @@ def test_a_run_stopped_at_the_memory_limit_restarts_with_a_leaner_stack_and_comp
     peak = json.loads(planned.stdout.strip().splitlines()[-1])["predicted_peak_bytes"]
     budget = [f"memory.budget_gb={peak / 0.925 / 1e9:.9f}", "monitor.stop_at_fraction=0.85"]
     limit = peak / 0.925 * 0.85
-    a = _serve(cluster, Machine(cluster["root"], "mem-a", cluster["env"]), run, *short, *budget)
+    a = serve_machine(cluster, Machine(cluster["root"], "mem-a", cluster["env"]), run, *short, *budget)
     b = Machine(cluster["root"], "mem-b", cluster["env"])
     context = lambda: f"--- A ---\n{a.tail()}\n--- B ---\n{b.tail()}"  # noqa: E731
     try:
         with get_client(sync_client=True) as client:
-            deployment = _deployment(client, a, run)
-            first = client.create_flow_run_from_deployment(deployment.id)
-            ended = wait_until("the first attempt ended", lambda: _final(client, first.id), 300, context)
+            deployment = deployment_of(client, a, run)
+            first = client.create_flow_run_fromdeployment_of(deployment.id)
+            ended = wait_until("the first attempt ended", lambda: final_run(client, first.id), 300, context)
             assert ended.state.name == "MemoryLimit", (ended.state, context())
             assert "at step 10 passed monitor.stop_at_fraction=0.85" in ended.state.message
             assert "`none`" in _plan_artifact(client, first.id)
             a.stop()  # machine A is gone before the restart is due: B has no local copy of the measured peak
-            _serve(cluster, b, run, *short, *budget)
-            second = wait_until("the restart scheduled", lambda: _next_run(client, deployment.id, run, {first.id}), 60,
+            serve_machine(cluster, b, run, *short, *budget)
+            second = wait_until("the restart scheduled", lambda: next_run(client, deployment.id, run, {first.id}), 60,
                                 context, every=0.5)
-            second = wait_until("the restart finished", lambda: _final(client, second.id), 400, context, every=2)
+            second = wait_until("the restart finished", lambda: final_run(client, second.id), 400, context, every=2)
             assert second.state.is_completed(), (second.state, context())
             assert "memfit-attempt:2" in second.tags and second.parameters == first.parameters
             leaner = _plan_artifact(client, second.id)

@@ -95,7 +95,7 @@ def test_the_automations_follow_the_config():
     from flows.recovery import SAME_PARAMETERS, apply_automations, automations
 
     cfg = cfgmod.load(None, ["recovery.silent_after_seconds=120", "recovery.backoff_seconds=15"])
-    silent, restart = automations(cfg)
+    silent, restart, shutdown = automations(cfg)
     assert silent.trigger.posture.value == "Proactive" and silent.trigger.within.total_seconds() == 120
     assert silent.actions[0].state.value == "CRASHED" and "no heartbeat" in silent.actions[0].message
     assert restart.trigger.expect == {"prefect.flow-run.Crashed", "prefect.flow-run.Preempted",
@@ -103,8 +103,26 @@ def test_the_automations_follow_the_config():
     action = restart.actions[0]
     assert action.source == "inferred" and action.schedule_after.total_seconds() == 15
     assert action.parameters == SAME_PARAMETERS and "flow_run.parameters" in json.dumps(action.parameters)
+    # A Cancelled is followed only with the message Prefect's runner sets when it shuts down, never a person's.
+    assert shutdown.trigger.expect == {"prefect.flow-run.Cancelled"}
+    assert shutdown.trigger.match.root["prefect.state-message"] == rules.RUNNER_SHUTDOWN_MESSAGE
+    assert shutdown.actions[0].parameters == SAME_PARAMETERS
     rows = apply_automations(cfg, dry_run=True)
-    assert [r["name"] for r in rows] == [silent.name, restart.name] and "applied" not in rows[0]
+    assert [r["name"] for r in rows] == [silent.name, restart.name, shutdown.name] and "applied" not in rows[0]
+    assert "with state message 'Runner is shutting down.'" in rows[2]["trigger"]
+
+
+def test_a_cancel_by_a_shutting_down_runner_is_a_restart_and_a_persons_cancel_ends_the_run():
+    shutdown = _a(2, "Cancelled", "CANCELLED", rules.RUNNER_SHUTDOWN_MESSAGE)
+    d = decide_attempt([_a(1, "Preempted", "FAILED"), shutdown], max_restarts=3)
+    assert (d.attempt, d.restarts_used, d.proceed, d.cause) == (3, 2, True, "runner_shutdown")
+    assert "after the previous attempt runner_shutdown" in d.reason
+    # Counted against the budget like any other restart.
+    assert not decide_attempt([_a(1, "Preempted", "FAILED"), shutdown], max_restarts=1).proceed
+    # A person's cancel (UI, CLI: Prefect's runner ends it with another message) is the end of the logical run.
+    person = _a(2, "Cancelled", "CANCELLED", "Flow run was cancelled successfully.")
+    assert decide_attempt([_a(1, "Preempted", "FAILED"), person], max_restarts=3).attempt == 1
+    assert rules.cause_of(person) == "cancelled"
 
 
 def test_applying_without_a_server_is_one_line(monkeypatch):
