@@ -49,7 +49,7 @@ def test_a_vanished_machine_is_detected_restarted_elsewhere_and_finishes(cluster
             deployment = deployment_of(client, a, run)
             names = {x.name for x in client.read_automations()}
             assert names >= {"memfit: mark silent runs crashed", "memfit: restart preempted or vanished runs"}
-            first = client.create_flow_run_fromdeployment_of(deployment.id)
+            first = client.create_flow_run_from_deployment(deployment.id)
             wait_until("two training checkpoints committed", lambda: len(complete_checkpoints(s3, bucket, run)) >= 2,
                        300, context, every=0.2)
             a.vanish()
@@ -213,10 +213,10 @@ def test_bad_input_and_cancelled_runs_are_not_restarted_and_apply_is_idempotent(
             deployment = deployment_of(client, machine, "plain")
             params = dict(deployment.parameters)
             params["config"] = {**params["config"], "data": {**params["config"]["data"], "path": "/nonexistent/x"}}
-            bad = client.create_flow_run_fromdeployment_of(deployment.id, parameters=params)
+            bad = client.create_flow_run_from_deployment(deployment.id, parameters=params)
             bad = wait_until("the bad-input run ended", lambda: final_run(client, bad.id), 120, machine.tail)
             assert bad.state.type.value == "FAILED" and bad.state.name == "Failed", bad.state
-            good = client.create_flow_run_fromdeployment_of(deployment.id)
+            good = client.create_flow_run_from_deployment(deployment.id)
             wait_until("running", lambda: client.read_flow_run(good.id).state.is_running(), 120, machine.tail)
             client.set_flow_run_state(good.id, Cancelling(), force=True)
             cancelled = wait_until("cancelled", lambda: final_run(client, good.id), 120, machine.tail)
@@ -282,7 +282,7 @@ def test_a_vanished_worker_machine_is_restarted_on_the_other_worker(cluster, ref
         a.start([*worker, "--name", "worker-a"])
         with get_client(sync_client=True) as client:
             deployment = client.read_deployment_by_name("memfit-finetune/finetune-workers")
-            first = client.create_flow_run_fromdeployment_of(deployment.id)
+            first = client.create_flow_run_from_deployment(deployment.id)
             wait_until("two training checkpoints committed", lambda: len(complete_checkpoints(s3, bucket, run)) >= 2,
                        300, context, every=0.2)
             a.vanish()
@@ -347,7 +347,7 @@ def test_a_run_stopped_at_the_memory_limit_restarts_with_a_leaner_stack_and_comp
     try:
         with get_client(sync_client=True) as client:
             deployment = deployment_of(client, a, run)
-            first = client.create_flow_run_fromdeployment_of(deployment.id)
+            first = client.create_flow_run_from_deployment(deployment.id)
             ended = wait_until("the first attempt ended", lambda: final_run(client, first.id), 300, context)
             assert ended.state.name == "MemoryLimit", (ended.state, context())
             assert "at step 10 passed monitor.stop_at_fraction=0.85" in ended.state.message
