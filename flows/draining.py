@@ -33,7 +33,6 @@ class DrainingRunner(Runner):
     drain_seconds: float = 60.0
     draining_since: float | None = None  # time.monotonic() of the notice
     drain_reason: str = ""
-    on_drained: Callable[[], None] | None = None
 
     # -- 1. no new claim ----------------------------------------------------------------------------------------
     async def __aenter__(self) -> Any:
@@ -116,8 +115,6 @@ class DrainingRunner(Runner):
                           self.drain_reason)
         self.started = False
         self._loops_task_group.cancel_scope.cancel()
-        if self.on_drained is not None:
-            self.on_drained()
 
     async def _end_preempted(self, flow_run_id: Any) -> None:
         """The state first (a final state: the runner's own Crashed proposal after the kill is then refused, so the

@@ -55,6 +55,8 @@ def automations(cfg: MemfitConfig) -> list[Any]:
     # The flow run's tags as it was created (its deployment's) are what a state event relates: the server caches
     # them per run, so tags a run adds itself are not seen here. Backoff beyond the first delay is therefore the
     # restarted run's to wait (tasks/attempt.py), and recovery.enabled per run is checked there too.
+    rerun = RunDeployment(source="inferred", parameters=SAME_PARAMETERS,
+                          schedule_after=timedelta(seconds=rec.backoff_seconds))
     restart = Automation(
         name=RESTART_NAME,
         description="Start a memfit deployment run again with the same parameters when it ended Crashed, "
@@ -66,8 +68,7 @@ def automations(cfg: MemfitConfig) -> list[Any]:
             match_related=[{"prefect.resource.id": f"prefect.tag.{rules.TAG_RECOVERY}"},
                            {"prefect.resource.role": "deployment"}],
             posture=Posture.Reactive, threshold=1, within=timedelta(0)),
-        actions=[RunDeployment(source="inferred", parameters=SAME_PARAMETERS,
-                               schedule_after=timedelta(seconds=rec.backoff_seconds))])
+        actions=[rerun])
     # memfit's own runner never cancels on shutdown (flows/draining.py), but a runner or worker that is not
     # memfit's (a plain `prefect worker`, an older memfit) does, with this message: the machine went away, not a
     # person, so the run is restarted. A person's cancel carries another message and stays final.
@@ -82,8 +83,7 @@ def automations(cfg: MemfitConfig) -> list[Any]:
             match_related=[{"prefect.resource.id": f"prefect.tag.{rules.TAG_RECOVERY}"},
                            {"prefect.resource.role": "deployment"}],
             posture=Posture.Reactive, threshold=1, within=timedelta(0)),
-        actions=[RunDeployment(source="inferred", parameters=SAME_PARAMETERS,
-                               schedule_after=timedelta(seconds=rec.backoff_seconds))])
+        actions=[rerun])
     return [silent, restart, shutdown]
 
 
