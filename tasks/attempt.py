@@ -73,8 +73,8 @@ def attempt_task(config: MemfitConfig) -> AttemptReport:
 
 
 def _created_earlier(client: Any, own: Any) -> str | None:
-    """Another flow run of this deployment, live (scheduled, pending, running), with this run's parameters, that
-    was created first: then this run is the duplicate (each of two restarts of one end decides the same)."""
+    """The restart created first, live, with this run's parameters, when this run is a later restart of the same
+    end (memfit.runtime.recovery.duplicate_of says which runs count)."""
     from prefect.client.schemas.filters import (
         FlowRunFilter,
         FlowRunFilterDeploymentId,
@@ -82,12 +82,13 @@ def _created_earlier(client: Any, own: Any) -> str | None:
         FlowRunFilterStateType,
     )
 
+    def live_run(r: Any) -> rules.LiveRun:
+        return rules.LiveRun(flow_run_id=str(r.id), created=r.created.timestamp() if r.created else 0.0,
+                             parameters=r.parameters, idempotency_key=r.idempotency_key)
+
+    if not rules.is_restart(live_run(own)):
+        return None
     live = client.read_flow_runs(flow_run_filter=FlowRunFilter(
         deployment_id=FlowRunFilterDeploymentId(any_=[own.deployment_id]),
         state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["SCHEDULED", "PENDING", "RUNNING"]))), limit=200)
-    same = [(r.created.timestamp() if r.created else 0.0, str(r.id)) for r in live
-            if r.parameters == own.parameters and str(r.id) != str(own.id)]
-    if not same:
-        return None
-    first = rules.first_live([*same, (own.created.timestamp() if own.created else 0.0, str(own.id))])
-    return None if first == str(own.id) else first
+    return rules.duplicate_of(live_run(own), [live_run(r) for r in live])

@@ -33,7 +33,8 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "").isdigit():
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 # A developer shell or pod with the spot watcher on must not make tests poll the cloud metadata service.
-for _name in ("MEMFIT_SPOT_WATCHER", "MEMFIT_SPOT_METADATA_URL", "MEMFIT_TEST_UPLOAD_DELAY"):
+for _name in ("MEMFIT_SPOT_WATCHER", "MEMFIT_SPOT_METADATA_URL", "MEMFIT_TEST_UPLOAD_DELAY",
+              "MEMFIT_TEST_STEP_DELAY"):
     os.environ.pop(_name, None)
 
 import gc  # noqa: E402

@@ -119,10 +119,38 @@ def decide_attempt(history: list[PastAttempt], max_restarts: int, key: str | Non
                          run_key=key, reason=f"restart {used} of {max_restarts} after the previous attempt {cause}")
 
 
-def first_live(candidates: list[tuple[float, str]]) -> str:
-    """Of the live flow runs of one logical run (created epoch seconds, id), the one that goes on: the oldest (ids
-    break a tie), so that each of them, deciding alone, names the same one."""
-    return min(candidates)[1]
+AUTOMATION_KEY_PREFIX = "automation "  # Prefect's idempotency key of a flow run that an automation's action created
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    """A live (scheduled, pending, running) flow run of a deployment, as the duplicate rule needs it."""
+
+    flow_run_id: str
+    created: float  # epoch seconds
+    parameters: dict[str, Any]
+    idempotency_key: str | None  # "automation <id>, action <i>, invocation <id>" when an automation created it
+
+
+def is_restart(run: LiveRun) -> bool:
+    """Created by an automation's RunDeployment action (a restart), not by a person, a schedule or the API."""
+    return (run.idempotency_key or "").startswith(AUTOMATION_KEY_PREFIX)
+
+
+def duplicate_of(own: LiveRun, live: list[LiveRun]) -> str | None:
+    """The restart this one duplicates, or None. Only restarts are compared: two restarts of one end (Preempted,
+    then Cancelled by the shutting-down runner) with the same parameters are one too many, and the oldest goes on
+    (ids break a tie), so that each, deciding alone, names the same one. A run a person, the API or a schedule
+    created is never a duplicate, and never makes a restart one: a nightly schedule keeps runs with the same
+    parameters waiting ahead of time."""
+    if not is_restart(own):
+        return None
+    same = [(r.created, r.flow_run_id) for r in live
+            if r.flow_run_id != own.flow_run_id and is_restart(r) and r.parameters == own.parameters]
+    if not same:
+        return None
+    first = min([*same, (own.created, own.flow_run_id)])[1]
+    return None if first == own.flow_run_id else first
 
 
 def recovery_record(decision: dict[str, Any] | None, resumed_step: int | None, last_logged_step: int | None,

@@ -41,6 +41,10 @@ log = logging.getLogger("memfit.train")
 def _test_fault(rank: int, step: int) -> None:
     # TEST-ONLY hook: MEMFIT_TEST_RANK_FAULT="<sigterm|crash|kill>:<rank>:<step>" makes one rank receive SIGTERM
     # (as from a spot reclaim), raise, or die by SIGKILL right after that optimizer step (real paths in tests).
+    # MEMFIT_TEST_STEP_DELAY=<seconds> makes every step that much slower: a slow machine whose run cannot end before
+    # a test has started the next machine, however loaded the test machine is.
+    if delay := os.environ.get("MEMFIT_TEST_STEP_DELAY"):
+        time.sleep(float(delay))
     spec = os.environ.get("MEMFIT_TEST_RANK_FAULT")
     if not spec:
         return

@@ -121,6 +121,15 @@ def complete_checkpoints(s3: Any, bucket: str, prefix: str) -> list[int]:
                   if o["Key"].endswith("/manifest.json"))
 
 
+def newest_checkpoint(s3: Any, bucket: str, prefix: str) -> int:
+    """The step of the newest complete training checkpoint, -1 before the first. Wait on this, never on how many
+    there are: retention (checkpoint.keep_last=2) deletes the oldest after each commit, so the count stays at 2 and
+    a new checkpoint shows as a third only between a commit and the pruning — a window a poller can miss (which is
+    how the chain test once saw "no training checkpoint of attempt 3 within 300 s" while attempt 3 committed two
+    and completed)."""
+    return max(complete_checkpoints(s3, bucket, prefix), default=-1)
+
+
 def flow_runs(client: Any, run_tag: str | None = None, deployment_id: Any = None) -> list[Any]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterTags
     from prefect.client.schemas.sorting import FlowRunSort
@@ -184,9 +193,9 @@ def preemption_chain(cluster: dict[str, Any], run: str, max_restarts: int, kills
             current = client.create_flow_run_from_deployment(deployment.id)
             for i in range(kills):
                 seen.add(current.id)
-                before = len(complete_checkpoints(s3, bucket, run))
+                before = newest_checkpoint(s3, bucket, run)
                 wait_until(f"a training checkpoint of attempt {i + 1}",
-                           lambda n=before: len(complete_checkpoints(s3, bucket, run)) > n, 300, context, every=0.2)
+                           lambda n=before: newest_checkpoint(s3, bucket, run) > n, 300, context, every=0.2)
                 machines[i].preempt()
                 ended = wait_until(f"attempt {i + 1} ended", lambda c=current: final_run(client, c.id), 60, context)
                 assert ended.state.name == "Preempted", (ended.state, context())

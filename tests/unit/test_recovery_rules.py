@@ -125,6 +125,29 @@ def test_a_cancel_by_a_shutting_down_runner_is_a_restart_and_a_persons_cancel_en
     assert rules.cause_of(person) == "cancelled"
 
 
+def _live(run_id: str, created: float, key: str | None, lr: float = 1e-3) -> rules.LiveRun:
+    return rules.LiveRun(run_id, created, {"config": {"train": {"lr": lr}}}, key)
+
+
+def test_of_two_restarts_of_one_end_the_later_is_the_duplicate_and_each_says_so_alone():
+    early, late = _live("r1", 10.0, "automation a1, action 0, invocation i1"), \
+        _live("r2", 11.0, "automation a2, action 0, invocation i2")
+    assert rules.duplicate_of(late, [early, late]) == "r1"
+    assert rules.duplicate_of(early, [early, late]) is None
+    tie = _live("r0", 11.0, "automation a3, action 0, invocation i3")  # same second: the smaller id goes on
+    assert rules.duplicate_of(late, [tie, late]) == "r0"
+
+
+def test_a_run_a_person_or_a_schedule_made_is_never_a_duplicate_nor_makes_a_restart_one():
+    restart = _live("r2", 50.0, "automation a1, action 0, invocation i1")
+    scheduled_nightly = _live("s1", 1.0, "scheduled 7b1c 9f4e 2026-12-06 02:00:00+00:00")  # created days ahead
+    by_hand = _live("m1", 2.0, None)
+    assert rules.duplicate_of(restart, [scheduled_nightly, by_hand, restart]) is None
+    assert rules.duplicate_of(by_hand, [restart, by_hand]) is None
+    other_params = _live("r1", 10.0, "automation a1, action 0, invocation i0", lr=2e-3)
+    assert rules.duplicate_of(restart, [other_params, restart]) is None
+
+
 def test_applying_without_a_server_is_one_line(monkeypatch):
     from flows.recovery import apply_automations
 
