@@ -52,7 +52,7 @@ def check_writable_dir(path: str | Path, field: str) -> None:
                           f"with --set {field}=PATH") from None
 
 
-def check_data_records(data: DataConfig) -> None:
+def check_data_records(data: DataConfig, work_dir: str | None = None) -> None:
     """Every record has its fields (named by file, record number and field) and a given chat template exists and
     can mark assistant turns; what needs the model's tokenizer (overlong, unknown roles) is checked when packing."""
     if data.path is None and data.chat_template is None:
@@ -61,14 +61,19 @@ def check_data_records(data: DataConfig) -> None:
     from memfit.data.templates import check_template_source
 
     if data.path is not None and not data.path.startswith(HUB_PREFIX):
-        load_texts(data)
+        if work_dir is None:
+            load_texts(data)
+        else:  # once per data version: bytes read and checked before are known by their fingerprint
+            from memfit.data.source import DataSource
+
+            DataSource(data, work_dir).digest()
     check_template_source(data)
 
 
 def preflight(cfg: MemfitConfig) -> None:
     """Fail in seconds, before any model is built, on inputs that are missing and outputs that cannot be written."""
     check_data_source(cfg.data)
-    check_data_records(cfg.data)
+    check_data_records(cfg.data, cfg.run.work_dir)
     check_model_source(cfg.model)
     check_writable_dir(cfg.run.work_dir, "run.work_dir")
     check_writable_dir(cfg.export.dir, "export.dir")

@@ -33,20 +33,23 @@ log = logging.getLogger("memfit.run_context")
 
 @dataclass
 class Inputs:
-    texts: list[str]
-    digest: str
+    texts: Any  # a DataSource: records read only when a preset is built or the packed rows are not cached
+    digest: str | None
     model: Any
     tokenizer: Any
     source: str
 
 
 def load_inputs(cfg: MemfitConfig) -> Inputs:
-    """Texts, the model (a preset is built on first use) and its tokenizer, all through from_pretrained."""
-    texts = load_texts(cfg.data)
-    digest = data_digest(texts)
-    model, tokenizer, source = load_model_and_tokenizer(cfg, texts, digest)
+    """The data source, the model (a preset is built on first use) and its tokenizer, all through
+    from_pretrained. The records are not read here for a named model: the packed rows may be cached."""
+    from memfit.data.source import DataSource
+
+    data = DataSource(cfg.data, cfg.run.work_dir)
+    digest = None if cfg.model.name_or_path else data.digest()
+    model, tokenizer, source = load_model_and_tokenizer(cfg, data.texts if digest else [], digest or "")
     check_seq_len(cfg, model.config)
-    return Inputs(texts=texts, digest=digest, model=model, tokenizer=tokenizer, source=source)
+    return Inputs(texts=data, digest=digest, model=model, tokenizer=tokenizer, source=source)
 
 
 def run_identity(cfg: MemfitConfig) -> dict[str, Any]:
@@ -61,6 +64,7 @@ def run_identity(cfg: MemfitConfig) -> dict[str, Any]:
             del out["data"][key]
     else:
         out["dpo"] = cfg.dpo.model_dump(mode="json")
+    out["data"].pop("num_proc", None)  # how fast the rows are prepared, not which
     return out
 
 

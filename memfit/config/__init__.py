@@ -106,6 +106,9 @@ class DataConfig(_Section):
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Share of blocks held out for validation.")
     synthetic_docs: int = Field(2000, ge=10, le=10_000_000, description="Synthetic corpus size (documents).")
     seed: int = Field(1234, description="Seed of the synthetic corpus and the train/validation split.")
+    num_proc: int | None = Field(
+        None, ge=1, le=512, description="Processes that tokenise the records in parallel when the rows are "
+        "prepared (once per data version; every phase reuses them). Unset: the cores this process may use.")
 
 
 class TrainConfig(_Section):

@@ -1,18 +1,25 @@
-"""Packed training data cached on disk, keyed on the data digest, the tokenizer, the template, masking and packing."""
+"""Packed rows prepared once per data version and settings (.npy files, memory-mapped), reused by every phase."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
+import shutil
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
+import numpy as np
+import torch
 
 from memfit.config import MemfitConfig
+from memfit.data.arrow_text import prepare_text_blocks
 from memfit.data.prepare import DataBundle, prepare_data
-from memfit.files import atomic_path, write_json_atomic
+from memfit.data.source import DataSource
+from memfit.files import write_json_atomic
 
 log = logging.getLogger("memfit.data")
 
@@ -39,40 +46,108 @@ def cache_key(cfg: MemfitConfig, digest: str, tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def cached_data(cfg: MemfitConfig, texts: list[str], digest: str, tokenizer: Any, model_config: Any = None
+def _corpus(cfg: MemfitConfig, texts: Any) -> Any:
+    """The records as a Corpus, from a DataSource (read once per process), a Corpus, texts, or data.path."""
+    from memfit.data.formats import Corpus, load_texts
+
+    if isinstance(texts, DataSource):
+        return texts.corpus()
+    return texts if isinstance(texts, Corpus) else load_texts(cfg.data) if texts is None else Corpus(list(texts))
+
+
+def _tensors(bundle: DataBundle) -> dict[str, torch.Tensor]:
+    return {"train": bundle.train, "val": bundle.val, **{f"train.{k}": v for k, v in bundle.train_fields.items()},
+            **{f"val.{k}": v for k, v in bundle.val_fields.items()}}
+
+
+def _meta(bundle: DataBundle) -> dict[str, Any]:
+    return {"digest": bundle.digest, "source": bundle.source, "packing": bundle.packing, "heldout": bundle.heldout,
+            "stats": bundle.stats}
+
+
+def _load(folder: Path) -> DataBundle:
+    """A prepared folder as a DataBundle whose rows are memory-mapped (copy-on-write: the trainer reads pages
+    as batches need them, and nothing it does can change the files)."""
+    meta = json.loads((folder / "meta.json").read_text())
+    tensors = {p.name.removesuffix(".npy"): torch.from_numpy(np.load(p, mmap_mode="c"))
+               for p in folder.glob("*.npy")}
+    fields = {split: {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{split}.")}
+              for split in ("train", "val")}
+    return DataBundle(train=tensors["train"], val=tensors["val"], digest=meta["digest"],
+                      n_train_tokens=tensors["train"].numel(), n_val_tokens=tensors["val"].numel(),
+                      source=meta["source"], train_fields=fields["train"], val_fields=fields["val"],
+                      packing=meta.get("packing", "blocks"), heldout=meta.get("heldout", []),
+                      stats=meta.get("stats", {}))
+
+
+def _plain_blocks(cfg: MemfitConfig, texts: Any) -> bool:
+    d = cfg.data
+    return (isinstance(texts, DataSource) and d.path is not None and cfg.train.objective != "dpo"
+            and d.packing == "blocks" and d.train_on == "all")
+
+
+def _prepare_into(tmp: Path, cfg: MemfitConfig, texts: Any, digest: str, tokenizer: Any) -> None:
+    """The packed rows as .npy files and meta.json in `tmp`: plain text out of core, the rest in memory."""
+    if _plain_blocks(cfg, texts):
+        rows = prepare_text_blocks(cfg.data, tokenizer, tmp, num_proc(cfg.data), texts.arrow_dir)
+        if rows is not None:
+            known = texts.known() or {}
+            seq_len = cfg.data.seq_len
+            stats = {"format": "text", "examples": known.get("examples", 0),
+                     "trained_tokens_share": round((seq_len - 1) / seq_len, 4)}
+            write_json_atomic(tmp / "meta.json", {"digest": digest, "source": cfg.data.path, "packing": "blocks",
+                                                  "heldout": [], "stats": stats})
+            log.info("data: %d text example(s), packing blocks into %d training + %d validation rows of %d "
+                     "tokens (out of core, %d process(es))", stats["examples"], rows[0], rows[1], seq_len,
+                     num_proc(cfg.data))
+            return
+    bundle = prepare_data(cfg, tokenizer, _corpus(cfg, texts))
+    for name, t in _tensors(bundle).items():
+        np.save(tmp / f"{name}.npy", t.contiguous().numpy())
+    write_json_atomic(tmp / "meta.json", _meta(bundle))
+
+
+def num_proc(data: Any) -> int:
+    """data.num_proc, or the cores this process may run on."""
+    if data.num_proc:
+        return int(data.num_proc)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cached_data(cfg: MemfitConfig, texts: Any, digest: str | None, tokenizer: Any, model_config: Any = None
                 ) -> DataBundle:
-    """prepare_data, reused across phases and runs when nothing that shapes the blocks changed. data.packing auto
-    is resolved first (it needs the model's config), so the key and the bundle name the layout chosen."""
+    """The packed rows, prepared once per data version and settings, reused by every phase and run after; data
+    .packing auto is resolved first (it needs the model's config), so the key and the bundle name the layout
+    chosen. `texts`: a DataSource (its digest used when `digest` is None), a Corpus or plain texts."""
+    if digest is None:
+        digest = texts.digest()
     if cfg.data.packing == "auto" and cfg.train.objective != "dpo":  # preference pairs: one pair a row, padded
         packing = resolve_auto_packing(cfg, texts, digest, tokenizer, model_config)[0]
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"packing": packing})})
-    path = Path(cfg.run.work_dir) / "data-cache" / f"{cache_key(cfg, digest, tokenizer)}.safetensors"
-    if path.is_file():
+    key = cache_key(cfg, digest, tokenizer)
+    folder = Path(cfg.run.work_dir) / "data-cache" / key
+    if (folder / "meta.json").is_file():
         try:
-            tensors = load_file(str(path))
-            meta = json.loads(path.with_suffix(".json").read_text())
-            log.info("packed data from cache %s", path)
-            fields = {split: {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{split}.")}
-                      for split in ("train", "val")}
-            return DataBundle(train=tensors["train"], val=tensors["val"], digest=meta["digest"],
-                              n_train_tokens=tensors["train"].numel(), n_val_tokens=tensors["val"].numel(),
-                              source=meta["source"], train_fields=fields["train"], val_fields=fields["val"],
-                              packing=meta.get("packing", "blocks"), heldout=meta.get("heldout", []),
-                              stats=meta.get("stats", {}))
+            bundle = _load(folder)
+            log.info("data: prepared rows reused (%s, key %s)", folder, key)
+            return bundle
         except (OSError, ValueError, KeyError) as err:
-            log.warning("ignoring unreadable data cache %s (%s)", path, err)
-    bundle = prepare_data(cfg, tokenizer, texts)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Metadata first, tensors last under their final name: a reader never sees tensors without metadata.
-    write_json_atomic(path.with_suffix(".json"), {"digest": bundle.digest, "source": bundle.source,
-                                                  "packing": bundle.packing, "heldout": bundle.heldout,
-                                                  "stats": bundle.stats})
-    tensors = {"train": bundle.train, "val": bundle.val,
-               **{f"train.{k}": v for k, v in bundle.train_fields.items()},
-               **{f"val.{k}": v for k, v in bundle.val_fields.items()}}
-    with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    return bundle
+            log.warning("ignoring unreadable data cache %s (%s)", folder, err)
+            shutil.rmtree(folder, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=folder.parent))
+    try:
+        _prepare_into(tmp, cfg, texts, digest, tokenizer)
+        try:
+            tmp.rename(folder)  # the whole folder at once: a reader never sees part of it
+        except OSError:  # another process (a rank, a phase) prepared the same rows first: theirs are the same
+            if not (folder / "meta.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("data: prepared in %.1f s (%s, key %s)", time.perf_counter() - t0, folder, key)
+    return _load(folder)
 
 
 def resolve_auto_packing(cfg: MemfitConfig, texts: Any, digest: str, tokenizer: Any, model_config: Any
@@ -100,9 +175,7 @@ def resolve_auto_packing(cfg: MemfitConfig, texts: Any, digest: str, tokenizer: 
         return saved["packing"], saved["candidates"]
     except (OSError, ValueError, KeyError):
         pass
-    from memfit.data.formats import Corpus, load_texts
-
-    corpus = texts if isinstance(texts, Corpus) else load_texts(cfg.data) if texts is None else Corpus(list(texts))
+    corpus = _corpus(cfg, texts)
     packing, costs = resolve_packing(cfg, corpus, tokenizer, model_config, profile, attn)
     rows = [c.row() for c in costs]
     path.parent.mkdir(parents=True, exist_ok=True)

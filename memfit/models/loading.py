@@ -89,16 +89,18 @@ def preset_config(spec: dict[str, Any], vocab: int, special_id: int) -> Any:
                       use_cache=True, **ids)
 
 
-def build_preset(model_cfg: ModelConfig, texts: list[str], out_dir: Path, seed: int,
-                 max_seq_len: int) -> Path:
-    """Build (or reuse, when the spec hash matches) a tiny random-weight model + tokenizer in out_dir."""
+def build_preset(model_cfg: ModelConfig, texts: Any, out_dir: Path, seed: int,
+                 max_seq_len: int, digest: str | None = None) -> Path:
+    """Build (or reuse, when the spec hash matches) a tiny random-weight model + tokenizer in out_dir. `texts`
+    may be a callable giving them, called only for a build (with `digest`, their data_digest, given)."""
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
-    spec = preset_spec(model_cfg, seed, _data_digest(texts), max_seq_len)
+    spec = preset_spec(model_cfg, seed, digest or _data_digest(texts), max_seq_len)
     spec_hash = _spec_hash(spec)
     if _cached(out_dir, spec_hash):
         return out_dir
+    texts = texts() if callable(texts) else texts
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Build in a sibling folder and rename it into place: a crash mid-build never leaves a
     # half-written preset where a later run would take it for a finished one.
@@ -217,7 +219,8 @@ def load_model_and_tokenizer(cfg: MemfitConfig, texts: list[str], data_digest: s
         source = cfg.model.name_or_path
     else:
         out = preset_dir(cfg, data_digest)
-        source = str(build_preset(cfg.model, texts, out, seed=cfg.train.seed, max_seq_len=cfg.data.seq_len))
+        source = str(build_preset(cfg.model, texts, out, seed=cfg.train.seed, max_seq_len=cfg.data.seq_len,
+                                  digest=data_digest))
     tokenizer = use_configured_template(load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code),
                                         cfg.data)
     # Always fp32 here: the trainer casts for bf16-true once the plan has settled the precision.

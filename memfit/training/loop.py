@@ -124,8 +124,10 @@ class Trainer:
         self.attn_implementation = attention_implementation(model)
         self.trained_tokens_seen = 0
         # Trained tokens per training row, counted once here: a step adds up Python ints (no tensor read per step).
-        labels = data.train_fields.get("labels", data.train)
-        self._row_trained: list[int] = (labels[:, 1:] != -100).sum(dim=1).tolist()
+        # Plain blocks train every prediction: counted from the shape, so memory-mapped rows are not all read.
+        labels = data.train_fields.get("labels")
+        self._row_trained: list[int] = ((labels[:, 1:] != -100).sum(dim=1).tolist() if labels is not None
+                                        else [data.train.shape[1] - 1] * len(data.train))
         self._row_real = row_real_tokens(data.train, data.train_fields, data.stats.get("pad_id"))
         self._row_trained, self._row_real = with_rejected_side(data.train_fields, self._row_trained, self._row_real)
         self._cut_to_longest = "attention_mask" in data.train_fields  # blocks_batch cuts such batches

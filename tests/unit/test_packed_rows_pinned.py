@@ -137,6 +137,32 @@ def test_packed_rows_are_byte_identical_to_the_recorded_ones(digests):
     assert not moved, f"packed rows changed for {moved}"
 
 
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_prepared_once_through_the_cache_gives_the_same_rows(tok, tmp_path_factory, num_proc, caplog):
+    """The way a run prepares (a DataSource, out of core for plain text, .npy memory-mapped): the recorded bytes."""
+    from memfit.data.cache import cached_data
+    from memfit.data.source import DataSource
+
+    sources = _sources(tmp_path_factory.mktemp("sources"))
+    recorded = json.loads(FIXTURE.read_text())
+    work = tmp_path_factory.mktemp("work")
+    for name, source, data, objective in CASES:
+        if source is None or (num_proc == 2 and not name.startswith(("text", "txt", "folder", "saved_dict"))):
+            continue
+        data = {"seq_len": 64, "val_fraction": 0.2, "seed": 11, "synthetic_docs": 120, "heldout_prompts": 3,
+                "num_proc": num_proc, "path": str(sources[source]), **data}
+        cfg = config.MemfitConfig.model_validate({"data": data, "train": {"objective": objective},
+                                                  "run": {"work_dir": str(work / name)}})
+        with caplog.at_level("INFO", logger="memfit.data"):
+            caplog.clear()
+            first = cached_data(cfg, DataSource(cfg.data, cfg.run.work_dir), None, tok)
+            second = cached_data(cfg, DataSource(cfg.data, cfg.run.work_dir), None, tok)
+        assert _digest(first) == _digest(second) == recorded[name], name
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("data: prepared in" in m for m in said) == 1 and sum("reused" in m for m in said) == 1, said
+        assert sum("recognised" in m for m in said) <= 1, said
+
+
 def test_digest_sees_a_one_token_change(tok, tmp_path):
     path = write_jsonl([{"text": d} for d in synthetic_corpus(100, 7)], tmp_path / "t.jsonl")
     cfg = config.MemfitConfig.model_validate({"data": {"path": str(path), "seq_len": 32}})

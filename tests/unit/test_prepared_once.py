@@ -1,0 +1,97 @@
+"""Data prepared once per data version: fingerprints, the digest kept on disk, bad records named, rows memory-mapped."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from chat_support import bpe_tokenizer
+
+from memfit import config
+from memfit.data.cache import cached_data
+from memfit.data.formats import data_digest, load_texts
+from memfit.data.source import DataSource, source_fingerprint
+from memfit.data.synthetic import synthetic_corpus, write_jsonl
+from memfit.errors import DataError
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return bpe_tokenizer(synthetic_corpus(200, 3))
+
+
+def _cfg(tmp_path, path, *sets):
+    return config.load(None, [f"data.path={path}", f"run.work_dir={tmp_path / 'work'}", "data.seq_len=32", *sets])
+
+
+def test_fingerprint_follows_the_bytes_not_the_clock(tmp_path):
+    f = write_jsonl([{"text": d} for d in synthetic_corpus(50, 1)], tmp_path / "a.jsonl")
+    data = config.DataConfig(path=str(f))
+    before = source_fingerprint(data)
+    f.touch()
+    assert source_fingerprint(data) == before
+    f.write_text(f.read_text() + '{"text": "one more"}\n')
+    assert source_fingerprint(data) != before
+    assert source_fingerprint(data.model_copy(update={"text_field": "body"})) != source_fingerprint(data)
+
+
+def test_digest_is_the_readers_and_is_kept_for_the_next_process(tmp_path, monkeypatch):
+    f = write_jsonl([{"text": d} for d in synthetic_corpus(80, 2)] + [{"text": "  "}], tmp_path / "a.jsonl")
+    cfg = _cfg(tmp_path, f)
+    assert DataSource(cfg.data, cfg.run.work_dir).digest() == data_digest(load_texts(cfg.data))
+    import memfit.data.arrow_text as at
+
+    monkeypatch.setattr(at, "scan_text", lambda *a, **k: pytest.fail("records read again"))
+    again = DataSource(cfg.data, cfg.run.work_dir)
+    assert again.digest() == data_digest(load_texts(cfg.data)) and again.known()["examples"] == 80
+
+
+@pytest.mark.parametrize("lines, where", [
+    ('{"text": "a b c"}\n\n{"text": "d e"}\n{"other": 1}\n', "record 4"),  # 1-based line, blank lines counted
+    ('{"text": "a"}\n{"text": 3}\n', "record 2"),
+])
+def test_a_bad_record_is_named_by_file_and_line_as_before(tmp_path, lines, where):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(lines)
+    cfg = _cfg(tmp_path, f)
+    with pytest.raises(DataError) as old:
+        load_texts(cfg.data)
+    with pytest.raises(DataError) as new:
+        DataSource(cfg.data, cfg.run.work_dir).digest()
+    assert str(new.value) == str(old.value)
+    assert str(f) in str(new.value) and where in str(new.value) and "data.text_field" in str(new.value)
+
+
+def test_phases_reuse_the_prepared_rows_without_reading_a_record(tmp_path, tok, monkeypatch, caplog):
+    f = write_jsonl([{"text": d} for d in synthetic_corpus(300, 5)], tmp_path / "a.jsonl")
+    cfg = _cfg(tmp_path, f, "data.num_proc=2")
+    with caplog.at_level(logging.INFO, logger="memfit.data"):
+        first = cached_data(cfg, DataSource(cfg.data, cfg.run.work_dir), None, tok)
+        import memfit.data.arrow_text as at
+        import memfit.data.formats as formats
+
+        monkeypatch.setattr(at, "scan_text", lambda *a, **k: pytest.fail("records scanned again"))
+        monkeypatch.setattr(formats, "load_texts", lambda *a, **k: pytest.fail("records read again"))
+        later = [cached_data(cfg, DataSource(cfg.data, cfg.run.work_dir), None, tok) for _ in range(4)]
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("data: prepared in" in m for m in said) == 1
+    assert sum("prepared rows reused" in m for m in said) == 4
+    assert sum("recognised" in m for m in said) == 1
+    for bundle in later:
+        assert torch.equal(bundle.train, first.train) and torch.equal(bundle.val, first.val)
+    # The rows are a memory map of the file, not a copy in the trainer's memory.
+    maps = Path("/proc/self/maps").read_text()
+    assert "train.npy" in maps and "val.npy" in maps
+
+
+def test_a_changed_file_is_prepared_again(tmp_path, tok):
+    f = write_jsonl([{"text": d} for d in synthetic_corpus(300, 5)], tmp_path / "a.jsonl")
+    cfg = _cfg(tmp_path, f)
+    first = cached_data(cfg, DataSource(cfg.data, cfg.run.work_dir), None, tok)
+    write_jsonl([{"text": d} for d in synthetic_corpus(300, 6)], f)
+    second = cached_data(cfg, DataSource(cfg.data, cfg.run.work_dir), None, tok)
+    assert second.digest != first.digest and not torch.equal(second.train[:4], first.train[:4])
