@@ -18,6 +18,7 @@ from memfit.errors import DataError
 
 log = logging.getLogger("memfit.data")
 
+_SLICE = 10_000  # records turned into Python objects at once
 _BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -302,9 +303,11 @@ def load_texts(data_cfg: DataConfig) -> Corpus:
             fmt = "text" if is_txt else detect_format(list(ds.column_names), data_cfg, where)
             cfg = data_cfg.model_copy(update={"text_field": "text"}) if is_txt else data_cfg
             numbers = record_lines(Path(where), suffix, ds.num_rows)
-            rows = normalise(ds.to_list(), fmt, cfg, where, numbers)
+            # A slice at a time: the table's Python copy never exists whole beside the examples built from it.
+            for start in range(0, ds.num_rows, _SLICE):
+                rows = ds.select(range(start, min(start + _SLICE, ds.num_rows))).to_list()
+                examples += normalise(rows, fmt, cfg, where, numbers[start:start + _SLICE])
             formats.add(fmt)
-            examples += rows
             origins += [(where, n) for n in numbers]
     if len(formats) > 1:
         raise DataError(f"data.path: {data_cfg.path} mixes formats ({', '.join(sorted(formats))}); "
