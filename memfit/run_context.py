@@ -17,7 +17,6 @@ import torch
 import memfit
 from memfit.checkpoints import CheckpointManager
 from memfit.config import MemfitConfig
-from memfit.data.formats import data_digest, load_texts
 from memfit.data.prepare import DataBundle
 from memfit.memory import limits
 from memfit.memory.plan import MeasuredPeak
@@ -264,13 +263,15 @@ def packing_alternatives(cfg: MemfitConfig, device: str | None = None) -> tuple[
         return "none", []
     if device:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"device": device})})
-    texts = load_texts(cfg.data)
-    digest = data_digest(texts)
+    from memfit.data.source import DataSource
+
+    texts = DataSource(cfg.data, cfg.run.work_dir)
+    digest = texts.digest()
     if cfg.model.name_or_path:
         tokenizer = use_configured_template(load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code),
                                             cfg.data)
         hf_config = model_config_for(cfg)
     else:  # a preset: built on first use (small), as a run would
-        model, tokenizer, _ = load_model_and_tokenizer(cfg, texts, digest)
+        model, tokenizer, _ = load_model_and_tokenizer(cfg, texts.texts, digest)
         hf_config = model.config
     return resolve_auto_packing(cfg, texts, digest, tokenizer, hf_config)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from memfit.config import MemfitConfig
+from memfit.data import shared
 from memfit.data.arrow_text import prepare_text_blocks
 from memfit.data.prepare import DataBundle, prepare_data
 from memfit.data.source import DataSource
@@ -137,8 +138,11 @@ def cached_data(cfg: MemfitConfig, texts: Any, digest: str | None, tokenizer: An
     folder.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=folder.parent))
+    store = shared.shared_store(cfg)
     try:
-        _prepare_into(tmp, cfg, texts, digest, tokenizer)
+        fetched = shared.fetch(store, key, tmp)
+        if not fetched:
+            _prepare_into(tmp, cfg, texts, digest, tokenizer)
         try:
             tmp.rename(folder)  # the whole folder at once: a reader never sees part of it
         except OSError:  # another process (a rank, a phase) prepared the same rows first: theirs are the same
@@ -146,7 +150,12 @@ def cached_data(cfg: MemfitConfig, texts: Any, digest: str | None, tokenizer: An
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("data: prepared in %.1f s (%s, key %s)", time.perf_counter() - t0, folder, key)
+    if fetched:
+        log.info("data: prepared rows reused from the checkpoint store in %.1f s (%s, key %s)",
+                 time.perf_counter() - t0, folder, key)
+    else:
+        log.info("data: prepared in %.1f s (%s, key %s)", time.perf_counter() - t0, folder, key)
+        shared.share(store, key, folder)
     return _load(folder)
 
 

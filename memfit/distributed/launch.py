@@ -284,9 +284,9 @@ def ensure_model_files(cfg: MemfitConfig) -> None:
     """Build a preset once here, so the ranks never race to build the same folder."""
     if cfg.model.name_or_path:
         return
-    from memfit.data.formats import data_digest, load_texts
+    from memfit.data.source import DataSource
     from memfit.models.loading import build_preset, preset_dir
 
-    texts = load_texts(cfg.data)
-    build_preset(cfg.model, texts, preset_dir(cfg, data_digest(texts)), seed=cfg.train.seed,
-                 max_seq_len=cfg.data.seq_len)
+    source = DataSource(cfg.data, cfg.run.work_dir)  # records read only when the preset is not built yet
+    build_preset(cfg.model, source.texts, preset_dir(cfg, source.digest()), seed=cfg.train.seed,
+                 max_seq_len=cfg.data.seq_len, digest=source.digest())

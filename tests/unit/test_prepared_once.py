@@ -95,3 +95,22 @@ def test_a_changed_file_is_prepared_again(tmp_path, tok):
     write_jsonl([{"text": d} for d in synthetic_corpus(300, 6)], f)
     second = cached_data(cfg, DataSource(cfg.data, cfg.run.work_dir), None, tok)
     assert second.digest != first.digest and not torch.equal(second.train[:4], first.train[:4])
+
+
+def test_a_new_machine_downloads_the_rows_from_the_checkpoint_store(tmp_path, tok, monkeypatch, caplog):
+    from memfit.data import shared
+    from memfit.storage import LocalStore
+
+    store = LocalStore(tmp_path / "bucket")  # stands for the remote store a run's machines share
+    monkeypatch.setattr(shared, "shared_store", lambda cfg: store)
+    f = write_jsonl([{"text": d} for d in synthetic_corpus(300, 5)], tmp_path / "a.jsonl")
+    first = cached_data(_cfg(tmp_path, f), DataSource(_cfg(tmp_path, f).data, tmp_path / "work"), None, tok)
+    assert any(k.endswith("/meta.json") for k in store.list("data-cache/"))
+    other = config.load(None, [f"data.path={f}", f"run.work_dir={tmp_path / 'machine2'}", "data.seq_len=32"])
+    import memfit.data.cache as dc
+
+    monkeypatch.setattr(dc, "_prepare_into", lambda *a, **k: pytest.fail("prepared again on the new machine"))
+    with caplog.at_level(logging.INFO, logger="memfit.data"):
+        second = cached_data(other, DataSource(other.data, other.run.work_dir), None, tok)
+    assert torch.equal(first.train, second.train) and torch.equal(first.val, second.val)
+    assert any("reused from the checkpoint store" in r.getMessage() for r in caplog.records)
