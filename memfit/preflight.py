@@ -66,7 +66,9 @@ def check_data_records(data: DataConfig, work_dir: str | None = None) -> None:
         else:  # once per data version: bytes read and checked before are known by their fingerprint
             from memfit.data.source import DataSource
 
-            DataSource(data, work_dir).digest()
+            source = DataSource(data, work_dir)
+            source.digest()
+            source.release()
     check_template_source(data)
 
 

@@ -105,6 +105,10 @@ class DataSource:
         assert self._digest is not None
         return self._digest
 
+    def release(self) -> None:
+        """Drop this process's copy of the records (preflight checks them and moves on)."""
+        _CORPORA.pop(self.fingerprint, None)
+
     def texts(self) -> list[str]:
         """The texts a preset's tokenizer learns (the Corpus itself)."""
         return self.corpus()
