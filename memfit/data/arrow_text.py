@@ -11,6 +11,7 @@ import hashlib
 import logging
 import multiprocessing
 import os
+import signal
 import tempfile
 from collections import deque
 from collections.abc import Iterator
@@ -156,7 +157,8 @@ def _tokenise_to(path: Path, texts: Iterator[list[str]], tokenizer: Any, num_pro
             return total
         # fork: the workers inherit the tokenizer; a bounded queue keeps the main process's memory flat.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+        pool = multiprocessing.get_context("fork").Pool(num_proc, initializer=_quiet_signals)
+        try:
             pending: deque[Any] = deque()
             for batch in texts:
                 pending.append(pool.apply_async(_encode, (batch,)))
@@ -168,7 +170,22 @@ def _tokenise_to(path: Path, texts: Iterator[list[str]], tokenizer: Any, num_pro
                 raw = pending.popleft().get()
                 out.write(raw)
                 total += len(raw) // 4
+            pool.close()  # workers leave when the queue is done: no signal is sent on success
+        except BaseException:
+            pool.terminate()
+            raise
+        finally:
+            pool.join()
     return total
+
+
+def _quiet_signals() -> None:
+    """A worker is the parent's helper: it dies on SIGTERM without running the handlers it inherited, and leaves
+    Ctrl-C to the parent. The inherited wakeup fd goes first: it is the parent's pipe, and a signal to a worker
+    written there reads, in the parent, as a stop of the run (runtime/termination.py)."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _write_rows(dest: Path, tokens: Path, rows: np.ndarray, seq_len: int) -> None:

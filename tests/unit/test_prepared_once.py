@@ -114,3 +114,67 @@ def test_a_new_machine_downloads_the_rows_from_the_checkpoint_store(tmp_path, to
         second = cached_data(other, DataSource(other.data, other.run.work_dir), None, tok)
     assert torch.equal(first.train, second.train) and torch.equal(first.val, second.val)
     assert any("reused from the checkpoint store" in r.getMessage() for r in caplog.records)
+
+
+def test_tokenising_workers_never_signal_the_run(tmp_path, tok):
+    """A run listens for SIGTERM through a wakeup pipe (runtime/termination.py) that forked workers inherit: a
+    worker stopped because the preparation failed (a bad record met mid-way) must not write there, or the run
+    reads it as its own stop."""
+    import os
+    import signal
+    import time
+
+    from memfit.data.arrow_text import _tokenise_to
+
+    def texts():
+        yield synthetic_corpus(50, 1)
+        time.sleep(0.5)  # the workers are up and idle
+        raise DataError("data.text_field: a.jsonl record 7: field 'text' is missing")
+
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    seen: list[int] = []
+    old_handler = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    try:
+        with pytest.raises(DataError, match="record 7"):
+            _tokenise_to(tmp_path / "t.bin", texts(), tok, 2)
+        time.sleep(0.5)
+        try:
+            written = os.read(r, 64)
+        except BlockingIOError:
+            written = b""
+    finally:
+        signal.set_wakeup_fd(old_fd)
+        signal.signal(signal.SIGTERM, old_handler)
+        os.close(r)
+        os.close(w)
+    assert written == b"" and seen == []
+
+
+def _worker_signals(_: int) -> tuple[bool, int]:
+    import signal
+
+    return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.set_wakeup_fd(-1)
+
+
+def test_a_worker_dies_on_sigterm_and_writes_to_no_inherited_pipe():
+    import multiprocessing
+    import os
+    import signal
+
+    from memfit.data.arrow_text import _quiet_signals
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    old_handler = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    try:
+        with multiprocessing.get_context("fork").Pool(1, initializer=_quiet_signals) as pool:
+            assert pool.apply(_worker_signals, (0,)) == (True, -1)
+    finally:
+        signal.set_wakeup_fd(old_fd)
+        signal.signal(signal.SIGTERM, old_handler)
+        os.close(r)
+        os.close(w)
