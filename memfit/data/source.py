@@ -69,7 +69,10 @@ class DataSource:
         return _CORPORA[self.fingerprint]
 
     def known(self) -> dict[str, Any] | None:
-        """What an earlier read of these bytes recorded (digest, format, examples), or None."""
+        """What an earlier read of these bytes recorded (digest, format, examples), or None. A hub dataset's
+        fingerprint is its name, not its bytes (a new version upstream keeps the name): never taken as known."""
+        if self.data.path is not None and self.data.path.startswith(HUB_PREFIX):
+            return None
         try:
             return json.loads(self._sidecar.read_text())
         except (OSError, ValueError):

@@ -178,3 +178,9 @@ def test_a_worker_dies_on_sigterm_and_writes_to_no_inherited_pipe():
         signal.signal(signal.SIGTERM, old_handler)
         os.close(r)
         os.close(w)
+
+
+def test_a_hub_dataset_is_read_every_time_its_name_may_hide_a_new_version(tmp_path):
+    source = DataSource(config.DataConfig(path="hf:someone/corpus"), tmp_path)
+    source.remember("d" * 64, "text", 3)
+    assert source.known() is None
