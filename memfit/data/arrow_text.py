@@ -1,9 +1,8 @@
-"""Plain text records out of core: streamed from Arrow, tokenised in worker processes, packed into blocks on disk.
+"""Plain text records out of core: streamed from Arrow, tokenised in worker processes, packed into blocks on disk."""
 
-The rows are the same bytes as packing.tokenize_and_pack + split_blocks writes (a test pins them); what changes is
-that no process holds the corpus: records are read a batch at a time, the token ids go to a file, and the blocks
-are written to .npy files the trainer memory-maps.
-"""
+# The rows are the bytes packing.tokenize_and_pack + split_blocks write (tests/unit/test_packed_rows_pinned.py); what
+# changes is that no process holds the corpus: records are read a batch at a time, the token ids go to a file, and
+# the blocks are written to .npy files the trainer memory-maps.
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""The packed rows of every format, mask and packing choice, pinned byte for byte to digests recorded before #40.
+"""The packed rows of every format, mask and packing choice, pinned byte for byte to digests recorded before #40."""
 
-The data path was rebuilt (out of core, prepared once); this guard says the rows a run trains on did not move.
-Record again only on purpose: MEMFIT_RECORD_PACKED=1 pytest tests/unit/test_packed_rows_pinned.py.
-"""
+# The data path was rebuilt (out of core, prepared once); this guard says the rows a run trains on did not move.
+# Record again only on purpose: MEMFIT_RECORD_PACKED=1 pytest tests/unit/test_packed_rows_pinned.py.
 
 from __future__ import annotations
 
