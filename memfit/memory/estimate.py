@@ -298,7 +298,7 @@ class Estimator:
         from memfit.training.optim import resolve_optimizer
 
         vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
-        return replace(stack, loss=resolve_loss(stack.loss, vocab),
+        return replace(stack, loss=resolve_loss(stack.loss, vocab, device_type=self.profile.kind),
                        optimizer=resolve_optimizer(stack.optimizer, self.profile.kind))
 
     def kind_trace(self, stack: Stack, kind: str) -> KindTrace:
@@ -359,7 +359,7 @@ class Estimator:
     def _loss(self, stack: Stack) -> Any:
         from memfit.training.loss import loss_by_name
 
-        loss = loss_by_name(stack.loss, self.loss_chunk_tokens)
+        loss = loss_by_name(stack.loss, self.loss_chunk_tokens, emulate=True)  # fused: Liger's twin, fake tensors
         return MaskedLoss(loss) if self.attention_mask else loss
 
     def estimate(self, stack: Stack, kinds: Sequence[str]) -> Estimate:
