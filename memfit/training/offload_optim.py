@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -89,12 +90,17 @@ class TorchStateLayout:
             self.d_opt.load_state_dict({"state": state, "param_groups": groups})
 
 
+@functools.cache
+def _offloaded_class() -> type:
+    from torchao.optim import CPUOffloadOptimizer  # lazy: torchao is optional (the gpu extra)
+
+    return type("OffloadedAdamW", (TorchStateLayout, CPUOffloadOptimizer), {"__module__": __name__})
+
+
 def make_offloaded_adamw(groups: list[dict[str, Any]], offload_gradients: bool, **hyper: Any) -> torch.optim.Optimizer:
     """torchao's CPUOffloadOptimizer over AdamW (fused on the CPU), with torch's state interface."""
-    from torchao.optim import CPUOffloadOptimizer
-
-    cls = type("OffloadedAdamW", (TorchStateLayout, CPUOffloadOptimizer), {"__module__": __name__})
     # torchao pops "params" out of each group it is given: it gets copies, the originals keep the order.
-    opt = cls([dict(g) for g in groups], torch.optim.AdamW, offload_gradients=offload_gradients, fused=True, **hyper)
+    opt = _offloaded_class()([dict(g) for g in groups], torch.optim.AdamW, offload_gradients=offload_gradients,
+                             fused=True, **hyper)
     opt._remember_groups(groups)
     return opt
