@@ -245,8 +245,10 @@ class FusedLoss:
         _refuse_wrapped(model)
         lm = _causal_lm(model)
         head = lm.get_output_embeddings()
-        why = (f"memory.loss: fused needs a plain linear head; this head is a {type(head).__name__}"
-               if type(head) is not nn.Linear else None if self.emulate else fused_unavailable(head.weight.device.type))
+        if type(head) is not nn.Linear:  # adapters or a quantized layer on the head: Liger takes a weight matrix
+            why = f"memory.loss: fused needs a plain linear head; this head is a {type(head).__name__}"
+        else:
+            why = None if self.emulate else fused_unavailable(head.weight.device.type)
         if why is not None:
             name = next_best(head.weight.shape[0], self.world_size)
             log.warning("%s: the %s loss instead", why, name)
