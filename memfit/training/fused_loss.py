@@ -67,8 +67,9 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             grad.mul_((valid[:, None] / count).to(grad.dtype))
             grad_input[start:start + rows] = grad @ weight
             if grad_weight is not None:  # by vocabulary slices: Liger's addmm into fp32 makes no whole-head copy
-                for v in range(0, weight.shape[0], HEAD_SLICE):
-                    grad_weight[v:v + HEAD_SLICE] += grad[:, v:v + HEAD_SLICE].t() @ h
+                hb = h.to(grad.dtype)  # Liger casts the chunk's input once, as here
+                for gw, g in zip(grad_weight.split(HEAD_SLICE), grad.t().split(HEAD_SLICE), strict=True):
+                    gw.add_(torch.mm(g, hb))
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
             del logits, grad
