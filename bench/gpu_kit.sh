@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_kit.sh prepare      # here, with the registries: the wheels the device image lacks -> .whl/
 #   device `run`: command "bash bench/gpu_kit.sh run", carry [".whl"], timeout_s 560   (<= 8 minutes)
-#   bash bench/gpu_kit.sh dry          # here: the table script on tiny shapes on the CPU (no GPU needed)
+#   PYTHON=.venv/bin/python bash bench/gpu_kit.sh dry   # here: the table on tiny shapes on the CPU (~8 min on 2 cores)
 #
 # The device image (/work/.library/device/KINDS.md) has Python 3.12 with torch 2.11, triton, peft, accelerate,
 # safetensors, pyarrow, xxhash, onnx/onnxruntime, psutil, typer, rich, matplotlib and pytest, an older
@@ -55,8 +55,9 @@ torch.cuda.get_device_name(0), 'transformers', transformers.__version__)"; } > "
     cp /tmp/gpu-table/rows.log /tmp/gpu-table/table.json "$out/" 2>/dev/null || true
     ;;
 dry)
-    out=${OUT:-/tmp/memfit-gpu-dry}
-    python3 bench/gpu_table.py run --out "$out" --dry-run --deadline-s 560
+    out=${OUT:-/tmp/memfit-gpu-dry}   # PYTHON: the project's interpreter (e.g. .venv/bin/python), trl importable
+    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "${PYTHON:-python3}" bench/gpu_table.py run --out "$out" --dry-run \
+        --deadline-s 560
     ;;
 *)
     echo "usage: bash bench/gpu_kit.sh prepare|run|dry" >&2
