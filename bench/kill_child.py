@@ -58,7 +58,8 @@ def install_spies() -> list[str]:
 
     def spy_make(*args, **kwargs):
         opt = make(*args, **kwargs)
-        used.append("fused" if any(g.get("fused") for g in opt.param_groups) else type(opt).__name__)
+        name = type(opt).__name__  # torchao's offloaded AdamW steps fused AdamWs inside: its own name counts
+        used.append("fused" if name == "AdamW" and any(g.get("fused") for g in opt.param_groups) else name)
         return opt
 
     def spy_mlp(self, x):
@@ -89,11 +90,15 @@ def _train_child(config_path: str, overrides: list[str], log_path: str, report_p
 _train_ctx = None
 
 
-def _train_context():
+def _train_context(start: str = "forkserver"):
+    """forkserver (preloaded, fast) or spawn: a CUDA run's child must not be a fork of a process that may have
+    initialised CUDA (an import in the preload can), or CUDA refuses to start in it."""
     global _train_ctx
-    if _train_ctx is None:
-        import multiprocessing
+    import multiprocessing
 
+    if start == "spawn":
+        return multiprocessing.get_context("spawn")
+    if _train_ctx is None:
         _train_ctx = multiprocessing.get_context("forkserver")
         _train_ctx.set_forkserver_preload(TRAIN_PRELOAD)
     return _train_ctx
@@ -115,14 +120,15 @@ class TrainChild:
     set in the child only (MEMFIT_TEST_UPLOAD_DELAY to land a kill mid-upload); `spy`: the report's "code_used" is
     what `install_spies` recorded. A child of the fork server shares no thread with the caller: a test process's
     leftover threads (Prefect's, botocore's retries) draw from Python's global `random`, whose state a training
-    checkpoint holds, so an uninterrupted run to compare against runs in a child too."""
+    checkpoint holds, so an uninterrupted run to compare against runs in a child too. `start`: "spawn" for a run on
+    CUDA (a fresh interpreter; slower to start, never a fork after CUDA is initialised)."""
 
     def __init__(self, config_path: str, overrides: list[str], folder: Path, name: str,
-                 env: dict[str, str] | None = None, spy: bool = False) -> None:
+                 env: dict[str, str] | None = None, spy: bool = False, start: str = "forkserver") -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.log_path, self.report_path = folder / f"{name}.log", folder / f"{name}.json"
         self.report_path.unlink(missing_ok=True)
-        self.proc = _train_context().Process(target=_train_child, name=f"memfit-train-{name}", daemon=True,
+        self.proc = _train_context(start).Process(target=_train_child, name=f"memfit-train-{name}", daemon=True,
                                              args=(config_path, overrides, str(self.log_path), str(self.report_path),
                                                    env or {}, spy))
         self.t0 = time.monotonic()

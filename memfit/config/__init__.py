@@ -180,12 +180,13 @@ class MemoryConfig(_Section):
     allow_smaller_micro_batch: bool = Field(
         True, description="Planner: may lower the micro-batch (raising the accumulation steps, same global "
         "batch) when that is the cheapest way to fit.")
-    loss: Literal["auto", "plain", "chunked"] = Field(
+    loss: Literal["auto", "plain", "chunked", "fused"] = Field(
         "auto", description="How the LM head and cross-entropy run. plain: full [batch, seq, vocab] logits (what "
         "transformers does); chunked: head and loss per chunk of memory.loss_chunk_tokens tokens, recomputed in "
-        "backward, so no full-vocabulary logits are ever alive (on CUDA Liger's fused kernel when installed). "
-        "auto: the memory planner's choice where it searches, else chunked when the vocabulary has at least "
-        "32768 entries, else plain.")
+        "backward, so no full-vocabulary logits are ever alive; fused: Liger's fused linear cross-entropy (CUDA, "
+        "pip install liger-kernel): chunked without the recompute, the gradients made in forward (elsewhere one "
+        "line says why and the next best runs). auto: the memory planner's choice where it searches, else from "
+        "32768 vocabulary entries on fused on CUDA with liger-kernel, else chunked; below that plain.")
     loss_chunk_tokens: int = Field(
         1024, ge=16, le=1_048_576, description="chunked loss: tokens per chunk of the LM head and cross-entropy.")
     optimizer: Literal["auto", "adamw", "adamw-fused", "adamw-8bit", "adamw-cpu-offload"] = Field(
@@ -476,9 +477,9 @@ class MemfitConfig(_Section):
 
     @model_validator(mode="after")
     def _memory_techniques_fit(self) -> MemfitConfig:
-        if self.memory.loss == "chunked" and self.distributed.world_size > 1:
-            raise ValueError("memory.loss: chunked runs in one process only (DDP/FSDP2 need the model's own "
-                             "forward); set memory.loss to plain or auto")
+        if self.memory.loss in ("chunked", "fused") and self.distributed.world_size > 1:
+            raise ValueError(f"memory.loss: {self.memory.loss} runs in one process only (DDP/FSDP2 need the model's "
+                             "own forward); set memory.loss to plain or auto")
         # A parameter stepped in backward cannot wait for the other gradients: refused where the step needs them.
         if self.memory.optimizer_in_backward is not True:
             return self

@@ -113,8 +113,9 @@ def module_table(tl: StepTimeline, model: nn.Module, optimizer: Any) -> list[dic
     params = _bytes_by_row(model, rows, lambda p: p.untyped_storage().nbytes())
     grad_b = _bytes_by_row(model, rows, lambda p: tl.grad_nbytes.get(id(p), 0))
     state = getattr(optimizer, "state", {})
+    # Only what lives beside the parameter: the CPU-offloaded AdamW's moments are host memory.
     opt_b = _bytes_by_row(model, rows, lambda p: sum(v.untyped_storage().nbytes() for v in state.get(p, {}).values()
-                                                     if isinstance(v, torch.Tensor)))
+                                                     if isinstance(v, torch.Tensor) and v.device == p.device))
     fw_end = tl.forward_spans[0][1] if tl.forward_spans else 0
     bw0 = tl.backward_spans[0] if tl.backward_spans else [0, 0]
     act: dict[str, int] = defaultdict(int)

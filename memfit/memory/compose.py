@@ -27,7 +27,7 @@ class Stack:
 
     def label(self) -> str:
         extras = [x for x in (self.quantize.upper() if self.quantize != "none" else "",
-                              "chunked loss" if self.loss == "chunked" else "",
+                              f"{self.loss} loss" if self.loss in ("chunked", "fused") else "",
                               self.optimizer if self.optimizer != "adamw" else "",
                               "step in backward" if self.optimizer_in_backward else "",
                               "lean layers" if self.lean_layers else "") if x]

@@ -20,6 +20,7 @@ from memfit.memory.step import host_bytes as optimizer_host_bytes
 from memfit.memory.step import init_optimizer_state, make_optimizer, op_cost_model, run_step
 from memfit.memory.tracker import Segment, StepTracker
 from memfit.models.experts import traceable_experts
+from memfit.models.loading import forward_error
 
 log = logging.getLogger("memfit.memory")
 
@@ -143,10 +144,15 @@ def fake_tracing() -> Iterator[Any]:
     original = getattr(masking_utils, "find_packed_sequence_indices", None)
     if original is not None:
         masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    # FakeTensorMode logs a failing op's whole traceback before raising it; the error itself reaches the caller.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
     try:
         with traceable_experts():  # MoE experts' grouped_mm in fp32 / bf16-mixed (memfit/models/experts.py)
             yield FakeTensorMode(allow_non_fake_inputs=False)
     finally:
+        fake_log.setLevel(level)
         if original is not None:
             masking_utils.find_packed_sequence_indices = original
 
@@ -298,7 +304,7 @@ class Estimator:
         from memfit.training.optim import resolve_optimizer
 
         vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
-        return replace(stack, loss=resolve_loss(stack.loss, vocab),
+        return replace(stack, loss=resolve_loss(stack.loss, vocab, device_type=self.profile.kind),
                        optimizer=resolve_optimizer(stack.optimizer, self.profile.kind))
 
     def kind_trace(self, stack: Stack, kind: str) -> KindTrace:
@@ -338,8 +344,14 @@ class Estimator:
                 optimizer = self._optimizer(model, stack) if stack.optimizer_in_backward else None
                 tracker.track_external(optimizer)
                 batches = self._batches(stack, min(stack.grad_accum_steps, 2))
-                _run_traced(model, optimizer, batches, stack.precision, tracker, loss_fn=self._loss(stack),
-                            in_backward=stack.optimizer_in_backward)
+                try:
+                    _run_traced(model, optimizer, batches, stack.precision, tracker, loss_fn=self._loss(stack),
+                                in_backward=stack.optimizer_in_backward)
+                except Exception as err:  # the model's own forward failing: one line, not the trace's traceback
+                    known = forward_error(err, self.hf_config)
+                    if known is None:
+                        raise
+                    raise known from None
         micro: list[dict[str, Segment]] = [{} for _ in batches]
         for seg in tracker.segments:
             prefix, _, label = seg.label.partition(".")
@@ -359,7 +371,7 @@ class Estimator:
     def _loss(self, stack: Stack) -> Any:
         from memfit.training.loss import loss_by_name
 
-        loss = loss_by_name(stack.loss, self.loss_chunk_tokens)
+        loss = loss_by_name(stack.loss, self.loss_chunk_tokens, emulate=True)  # fused: Liger's twin, fake tensors
         return MaskedLoss(loss) if self.attention_mask else loss
 
     def estimate(self, stack: Stack, kinds: Sequence[str]) -> Estimate:

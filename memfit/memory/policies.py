@@ -110,6 +110,8 @@ def _offload_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     if first is not None and first.device.type != "cuda":
         raise ConfigError(_OFFLOAD_NEEDS_CUDA)
+    if not torch.is_grad_enabled():  # nothing is saved: no block to park (an empty one would linger until backward)
+        return function(*args, **kwargs)
     from memfit.memory.activation_offload import offloader
 
     with offloader().block():

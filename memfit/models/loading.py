@@ -164,6 +164,24 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
+def forward_error(err: BaseException, hf_config: Any) -> ModelLoadError | None:
+    """The model's own forward (transformers' modeling code, or a remote-code model's) raised `err`: one line
+    naming the model folder, where in the library and its message (None when the error came from elsewhere)."""
+    import traceback
+
+    if isinstance(err, MemfitError):
+        return None
+    marks = (f"{os.sep}transformers{os.sep}models{os.sep}", f"{os.sep}transformers_modules{os.sep}")
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if any(m in f.filename for m in marks)]
+    if not frames:
+        return None
+    where = frames[-1].filename.split(f"{os.sep}transformers{os.sep}")[-1]
+    folder = getattr(hf_config, "_name_or_path", "") or type(hf_config).__name__
+    return ModelLoadError(f"model.name_or_path: the model in {folder} fails in its own forward ({where}, line "
+                          f"{frames[-1].lineno}: {_first_line(err)[:300]}); memfit traces that forward to estimate, "
+                          "so its config.json must run in transformers first")
+
+
 def _load_error(name_or_path: str, local: bool, what: str, err: BaseException) -> ModelLoadError:
     if local:
         return ModelLoadError(f"model.name_or_path: could not load the {what} from folder {name_or_path} "

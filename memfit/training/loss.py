@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import torch
@@ -10,6 +11,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memfit.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # A batch is a dict of tensors: input_ids and labels always ([batch, seq]; labels -100 where nothing is learned),
 # attention_mask / position_ids when the data's packing mode needs them.
@@ -199,14 +202,13 @@ class ChunkedLoss:
     The decoder gives the final hidden states; each chunk's logits exist only inside its own forward (and again
     inside its backward, under torch.utils.checkpoint), so no [batch, seq, vocab] tensor is ever alive. The
     labels are shifted as transformers shifts them (the last position learns nothing) and -100 is ignored.
-    On CUDA with Liger installed its fused linear cross-entropy kernel does the same without the recompute.
+    (Liger's fused kernel, which needs no recompute, is memory.loss fused: fused_loss.py.)
     """
 
     name = "chunked"
 
-    def __init__(self, chunk_tokens: int = 1024, use_liger: bool = True) -> None:
+    def __init__(self, chunk_tokens: int = 1024) -> None:
         self.chunk_tokens = chunk_tokens
-        self.use_liger = use_liger
 
     def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         _refuse_wrapped(model)
@@ -217,39 +219,75 @@ class ChunkedLoss:
         labels = batch["labels"]
         shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1).reshape(-1)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        fused = _liger_loss(head, flat, shifted) if self.use_liger else None
-        if fused is not None:
-            return fused
         total = flat.new_zeros((), dtype=torch.float32)
         for h, y in zip(flat.split(self.chunk_tokens), shifted.split(self.chunk_tokens), strict=True):
             total = total + _chunk_ce_sum(head, h, y)
         return total / (shifted != -100).sum().clamp(min=1)
 
 
-def _liger_loss(head: nn.Module, flat: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-    """Liger's fused head + cross-entropy (Triton, CUDA only) when installed and the head is a plain Linear."""
-    if flat.device.type != "cuda" or type(head) is not nn.Linear:
-        return None
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    except ImportError:
-        return None
-    return LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="mean")(head.weight, flat, labels, head.bias)
+class FusedLoss:
+    """`memory.loss: fused`: the decoder's hidden states through the head and cross-entropy in one fused op (no
+    [batch, seq, vocab] logits, no recompute; fused_loss.py). `emulate`: its plain-torch twin (the estimator's
+    fake tensors). Where Liger cannot run (CPU, not installed, a wrapped head) one line says why, and the next
+    best loss runs instead."""
+
+    name = "fused"
+
+    def __init__(self, chunk_tokens: int = 1024, world_size: int = 1, emulate: bool = False) -> None:
+        self.chunk_tokens, self.world_size, self.emulate = chunk_tokens, world_size, emulate
+        self.fallback: LossPolicy | None = None
+
+    def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        from memfit.training.fused_loss import fused_head_loss, fused_unavailable
+
+        if self.fallback is not None:
+            return self.fallback(model, batch)
+        _refuse_wrapped(model)
+        lm = _causal_lm(model)
+        head = lm.get_output_embeddings()
+        if type(head) is not nn.Linear:  # adapters or a quantized layer on the head: Liger takes a weight matrix
+            why = f"memory.loss: fused needs a plain linear head; this head is a {type(head).__name__}"
+        else:
+            why = None if self.emulate else fused_unavailable(head.weight.device.type)
+        if why is not None:
+            name = next_best(head.weight.shape[0], self.world_size)
+            log.warning("%s: the %s loss instead", why, name)
+            self.fallback = loss_by_name(name, self.chunk_tokens)
+            return self.fallback(model, batch)
+        inputs = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
+        hidden = lm.base_model(**inputs, use_cache=False).last_hidden_state
+        labels = batch["labels"]
+        shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1).reshape(-1)
+        return fused_head_loss(head, hidden.reshape(-1, hidden.shape[-1]), shifted, self.emulate)
 
 
-def resolve_loss(setting: str, vocab_size: int, world_size: int = 1) -> str:
-    """`memory.loss` as run: auto is chunked from CHUNKED_FROM_VOCAB entries on, in one process."""
-    if setting != "auto":
-        return setting
+def next_best(vocab_size: int, world_size: int = 1) -> str:
+    """The loss taken where fused cannot run: chunked where auto would chunk (large vocabularies), else plain."""
     return "chunked" if vocab_size >= CHUNKED_FROM_VOCAB and world_size == 1 else "plain"
 
 
-def loss_by_name(name: str, chunk_tokens: int = 1024) -> LossPolicy:
+def resolve_loss(setting: str, vocab_size: int, world_size: int = 1, device_type: str = "cpu") -> str:
+    """`memory.loss` as run on `device_type`: auto is chunked from CHUNKED_FROM_VOCAB entries on, in one process
+    (fused instead on CUDA where liger-kernel is installed); fused off CUDA is the next best."""
+    from memfit.training.fused_loss import fused_unavailable
+
+    if setting == "fused" and device_type != "cuda":
+        return next_best(vocab_size, world_size)
+    if setting != "auto":
+        return setting
+    chosen = next_best(vocab_size, world_size)
+    return "fused" if chosen == "chunked" and fused_unavailable(device_type) is None else chosen
+
+
+def loss_by_name(name: str, chunk_tokens: int = 1024, world_size: int = 1, emulate: bool = False) -> LossPolicy:
+    """The loss policy `name`; emulate: the fused loss as its plain-torch twin (the estimator's fake tensors)."""
     if name == "plain":
         return PlainLoss()
     if name == "chunked":
         return ChunkedLoss(chunk_tokens)
-    raise ConfigError(f"memory.loss: unknown loss {name!r}; choose auto, plain or chunked")
+    if name == "fused":
+        return FusedLoss(chunk_tokens, world_size, emulate=emulate)
+    raise ConfigError(f"memory.loss: unknown loss {name!r}; choose auto, plain, chunked or fused")
 
 
 class AutoLoss:
@@ -263,8 +301,10 @@ class AutoLoss:
 
     def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         if self.chosen is None:
-            vocab = _causal_lm(getattr(model, "module", model)).get_output_embeddings().weight.shape[0]
-            self.chosen = loss_by_name(resolve_loss("auto", vocab, self.world_size), self.chunk_tokens)
+            head = _causal_lm(getattr(model, "module", model)).get_output_embeddings()
+            device = head.weight.device.type
+            self.chosen = loss_by_name(resolve_loss("auto", head.weight.shape[0], self.world_size, device),
+                                       self.chunk_tokens, self.world_size)
         return self.chosen(model, batch)
 
 
@@ -275,4 +315,4 @@ def make_loss(cfg: Any | None = None) -> LossPolicy:
     m = cfg.memory
     if m.loss == "auto":
         return AutoLoss(m.loss_chunk_tokens, cfg.distributed.world_size)
-    return loss_by_name(m.loss, m.loss_chunk_tokens)
+    return loss_by_name(m.loss, m.loss_chunk_tokens, cfg.distributed.world_size)

@@ -63,12 +63,13 @@ def make_adamw(model: nn.Module, lr: float, weight_decay: float, foreach: bool |
             raise ConfigError("memory.optimizer: adamw-cpu-offload moves the optimizer state from a CUDA device "
                               f"to the CPU; this model is on {', '.join(sorted(devices))}: use adamw or adamw-8bit")
         try:
-            from torchao.optim import CPUOffloadOptimizer
+            import torchao.optim  # noqa: F401
         except ImportError:
             raise ConfigError("memory.optimizer: adamw-cpu-offload needs torchao (pip install torchao), or choose "
                               "adamw-8bit") from None
-        return CPUOffloadOptimizer(groups, torch.optim.AdamW, offload_gradients=offload_gradients, fused=True,
-                                   **common)
+        from memfit.training.offload_optim import make_offloaded_adamw
+
+        return make_offloaded_adamw(groups, offload_gradients, **common)
     raise ConfigError(f"memory.optimizer: unknown optimizer {kind!r}; choose auto, {', '.join(OPTIMIZERS)}")
 
 

@@ -79,3 +79,34 @@ def test_plan_for_an_8b_dpo_lora_run_on_24_gb_fits_and_names_the_reference():
     assert out["predicted_peak_bytes"] <= out["limit_bytes"]
     text = plan_table_markdown(plan)
     assert "reference counted: adapter_off: the policy with its LoRA adapters disabled" in text
+
+
+def test_dpo_is_planned_for_the_datas_longest_pair_when_the_data_is_known(tmp_path):
+    """A DPO batch is cut to its longest side: with the pairs and the tokenizer at hand the estimate is made at the
+    data's longest pair, not data.seq_len; with a config.json alone the worst case, data.seq_len, stays."""
+    from memfit import config
+    from memfit.data.formats import data_digest, load_texts
+    from memfit.data.pairs import encode_pairs
+    from memfit.memory import pair_length
+    from memfit.memory.search import make_estimator
+    from memfit.models.loading import load_model_and_tokenizer
+
+    sets = [f"run.work_dir={tmp_path / 'work'}", "data.seq_len=512", "data.synthetic_docs=200"]
+    cfg = config.load(REPO / "configs" / "dpo-tiny.yaml", sets)
+    corpus = load_texts(cfg.data)
+    _, tokenizer, _ = load_model_and_tokenizer(cfg, corpus, data_digest(corpus))
+    rows, _, _ = encode_pairs(corpus, tokenizer, cfg.data, 0)
+    longest = max(int(rows[k].sum(-1).max()) for k in ("attention_mask", "rejected_attention_mask"))
+    assert 8 < longest < 512
+    est = make_estimator(cfg, PROFILES["cpu"])
+    assert est.seq_len == pair_length.planned_seq_len(cfg) == longest
+    stack = Stack("fp32", cfg.train.micro_batch_size, 1, False)
+    assert est.estimate(stack, ["none"] * est.n_blocks).peak_bytes < \
+        est.at_seq_len(512).estimate(stack, ["none"] * est.n_blocks).peak_bytes
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((REPO / "configs" / "models" / "llama-3-8b" / "config.json").read_text())
+    cfg_bare = config.load(REPO / "configs" / "dpo-tiny.yaml", [*sets, f"model.name_or_path={bare}",
+                                                                 "model.preset=null"])
+    assert pair_length.planned_seq_len(cfg_bare) == 512  # no tokenizer here: the worst case

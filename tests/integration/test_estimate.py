@@ -225,3 +225,29 @@ def test_weights_and_optimizer_from_shallow_traces_equal_the_full_depth_trace(fa
         full = est._trace_static_at(est.n_blocks, est.resolved(stack))
         for field in ("before_opt", "after_opt", "opt_peak", "n_params", "n_trainable", "weight_bytes", "n_blocks"):
             assert getattr(fast, field) == getattr(full, field), (stack.label(), field)
+
+
+def test_a_model_whose_own_forward_fails_is_one_line_naming_its_folder(tmp_path):
+    """A DeepSeek-V3 config.json whose head_dim disagrees with qk_rope_head_dim: transformers' own forward raises
+    on real tensors, and `memfit estimate` says so in one line (not the fake-tensor trace's traceback)."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    folder = tmp_path / "broken-dsv3"
+    shape = DeepseekV3Config(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                             n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
+                             q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=64,
+                             n_group=1, topk_group=1, max_position_embeddings=256)
+    shape.save_pretrained(folder)
+    with pytest.raises(RuntimeError, match="must match the size"):  # the library itself, on real tensors
+        AutoModelForCausalLM.from_config(shape)(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    done = subprocess.run([sys.executable, "-m", "memfit.cli", "estimate", "--set", f"model.name_or_path={folder}",
+                           "--set", "model.preset=null"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, lines[-20:]
+    assert lines[0].startswith(f"error: model.name_or_path: the model in {folder} fails in its own forward "
+                               "(models/deepseek_v3/modeling_deepseek_v3.py, line "), lines[0]
+    assert "RuntimeError: Attempting to broadcast a dimension" in lines[0]  # fake tensors word the same mismatch so

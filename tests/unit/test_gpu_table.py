@@ -1,0 +1,41 @@
+"""bench/gpu_table.py's table: estimate over the real peak, tokens/s and MFU as FACTS computed them by hand."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import gpu_table  # noqa: E402
+
+from memfit.training.optim import flops_per_token  # noqa: E402
+
+GIB = 2**30
+
+
+def test_the_1b_row_reads_as_measured_on_the_h200():
+    # FACTS, "GPU, measured 2026-12-04": 35.31 GiB estimated, 35.38 real, 0.236 s a step, 34.7k tokens/s, MFU 29 %.
+    results = {0: {"estimate_bytes": 35.31 * GIB, "peak_bytes": 35.38 * GIB, "step_s": 0.236, "n_params": 1_235_814_400,
+                   "predicted_step_s": 0.382},
+               6: {"error": "CUDA only"}}
+    table = gpu_table._render(results, "NVIDIA H200", 989e12, False, {}, flops_per_token, 12.0)
+    row = next(line for line in table.splitlines() if line.startswith("| 1B full FT, policy none"))
+    assert row == "| 1B full FT, policy none (loss auto) | 35.31 | 35.38 | 0.998 | 0.236 | 0.382 | 34.7k | 28.9% |"
+    assert "| 1B full FT, full, adamw-cpu-offload | — | CUDA only |" in table
+    assert "on NVIDIA H200 by `bash bench/gpu_kit.sh run` (12 s)" in table
+    assert len([line for line in table.splitlines() if line.startswith("| ")]) == len(gpu_table.ROWS) + 1
+
+
+@pytest.mark.parametrize(("printed", "expected"), [
+    ('noise\nROW {"step_s": 1.0}\n', {"step_s": 1.0}),  # a child's row
+    ('log line\n{"total_bytes": 5}\n', {"total_bytes": 5}),  # memfit estimate --json
+    ("Traceback\nValueError: bad\n", {"error": "ValueError: bad"}),
+])
+def test_a_childs_output_becomes_its_row(printed, expected, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", f"print({printed!r}, end='')"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert gpu_table._collect(proc, 30, tmp_path / "log") == expected
+    assert (tmp_path / "log").read_text() == printed
