@@ -290,7 +290,7 @@ def test_layout_check_flags_missing_extra_and_twice_listed_modules():
              "    probe.py   y\n  memory/      again\ntasks/         train.py, nothing.py\n")
     problems = layout_problems(block)
     assert "README.md Layout: lists memfit/gone.py, which does not exist" in problems
-    assert "README.md Layout: memfit/cli.py exists but is not listed" in problems
+    assert "README.md Layout: memfit/cli/ exists but is not listed" in problems
     assert "README.md Layout: lists memfit/memory/ 2 times" in problems
     assert "README.md Layout: top-level folder flows/ is not listed" in problems
     assert "README.md Layout: tasks/nothing.py does not exist" in problems
