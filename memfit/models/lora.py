@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,10 +26,11 @@ def _linear_names(model: nn.Module) -> list[str]:
 
 def apply_lora(model: nn.Module, lora_cfg: Any) -> nn.Module:
     """Wrap `model` with LoRA adapters (peft); every base weight is frozen, only the adapters train."""
+    from memfit.models.lora_targets import resolve
+
+    _import_peft()
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
-
-    from memfit.models.lora_targets import resolve
 
     targets = lora_cfg.target_modules
     where = resolve(model, targets)
@@ -34,7 +38,7 @@ def apply_lora(model: nn.Module, lora_cfg: Any) -> nn.Module:
                               lora_dropout=lora_cfg.dropout, bias="none", target_modules=where.modules,
                               target_parameters=where.parameters or None)
     try:
-        with _targets_as_named():
+        with _targets_as_named(), peft_quietly():
             wrapped = get_peft_model(model, peft_cfg)
     except ValueError as err:
         if "not found in the base model" in str(err) or "target modules" in str(err).lower():
@@ -64,6 +68,50 @@ def _targets_as_named() -> Iterator[None]:
         yield
     finally:
         conversion.convert_peft_config_for_transformers = original
+
+
+class _HideBitsandbytes(importlib.abc.MetaPathFinder):
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "bitsandbytes" or name.startswith("bitsandbytes."):
+            raise ModuleNotFoundError("bitsandbytes is not needed: nothing is quantized", name=name)
+
+
+def _import_peft() -> None:
+    """peft, imported without bitsandbytes where nothing has imported it yet (memfit's NF4 policy does, first).
+    peft imports it unconditionally (peft/helpers.py, which does without it), and on 2 busy cores that costs
+    2-3 s and logs "Failed to load CPU gemm_4bit_forward from kernels-community"; only its layers need it."""
+    if "peft" in sys.modules or "bitsandbytes" in sys.modules:
+        return
+    hide = _HideBitsandbytes()
+    sys.meta_path.insert(0, hide)
+    try:
+        import peft  # noqa: F401 - imported here, while bitsandbytes is hidden
+    finally:
+        sys.meta_path.remove(hide)
+
+
+@contextmanager
+def peft_quietly() -> Iterator[None]:
+    """peft adding or loading adapters without two side effects on a run's terminal where nothing is quantized:
+    bitsandbytes imported, and transformers' FutureWarning for peft's read of a deprecated alias."""
+    _import_peft()
+    from peft.tuners.lora import model as lora_model
+
+    names = ("is_bnb_available", "is_bnb_4bit_available")
+    # bitsandbytes not imported: no layer of this model is one of its Linear8bitLt / Linear4bit, so peft's
+    # bitsandbytes dispatchers can match nothing; peft would import it merely to try them.
+    skip = "bitsandbytes" not in sys.modules and all(hasattr(lora_model, n) for n in names)
+    saved = {n: getattr(lora_model, n) for n in names} if skip else {}
+    with warnings.catch_warnings():
+        # peft 0.21 reads `model.is_gradient_checkpointing`, which transformers 5 deprecates: nothing memfit can do.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        for n in saved:
+            setattr(lora_model, n, lambda: False)
+        try:
+            yield
+        finally:
+            for n, original in saved.items():
+                setattr(lora_model, n, original)
 
 
 def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -29,7 +30,20 @@ def nf4_bytes(numel: int) -> int:
     return math.ceil(numel / 2) + blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4 * (16 + 256) + 4
 
 
+class _NoHubKernelNotice(logging.Filter):
+    """Drops bitsandbytes' one log line at import on a CPU with AVX512-BF16 when the optional `kernels` package
+    (a hub download) is absent: that kernel serves the repacked inference layout memfit turns off on every layer
+    (support_avx512bf16_for_cpu below), and memfit downloads nothing from the hub; nothing to act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+_NO_HUB_KERNEL_NOTICE = _NoHubKernelNotice()
+
+
 def require_bitsandbytes(field: str = "lora.quantize") -> Any:
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NO_HUB_KERNEL_NOTICE)  # once: the same object
     try:
         import bitsandbytes as bnb
     except ImportError:

@@ -82,9 +82,8 @@ def verify_adapter(folder: Path, merged: torch.nn.Module, base: str, quantizatio
                    criteria: Any) -> AdapterExport:
     """Load the base as a user would (the same folder or hub id; NF4 round trip for a QLoRA base), put the adapter
     on it with peft, and compare its logits with the merged model's at fixed inputs (the ONNX parity limits)."""
-    from peft import PeftModel
-
     from memfit.models.loading import load_model
+    from memfit.models.lora import peft_quietly
     from memfit.models.quantization import quantization_for
     from memfit.release.formats import sample_ids
     from memfit.release.parity import parity_failure, shape_parity
@@ -93,7 +92,10 @@ def verify_adapter(folder: Path, merged: torch.nn.Module, base: str, quantizatio
     policy = quantization_for(quantization, "fp32")
     if policy is not None:
         model = policy.round_trip(model)
-    model = PeftModel.from_pretrained(model, str(folder)).eval()
+    with peft_quietly():
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(folder)).eval()
     merged_device = next(merged.parameters()).device
     was_training = merged.training
     merged.eval()

@@ -6,7 +6,10 @@ model never depends on a pickle and loads anywhere torch + transformers are inst
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlflow
+import pandas as pd
 from mlflow.pyfunc import PythonModel
 
 
@@ -18,8 +21,10 @@ class CausalLMModel(PythonModel):
         self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
 
-    # No type hints here: MLflow would derive a (wrong) signature from them; the logged one is explicit.
-    def predict(self, context, model_input, params=None):
+    # MLflow hands a logged model's input over as a DataFrame (the explicit signature's columns). A DataFrame hint
+    # is the one MLflow takes without deriving a signature from it (the logged one stays), and without it MLflow
+    # warns "Add type hints to the `predict` method" each time this class is defined: on logging and every load.
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[str]:
         import torch
 
         prompts = [self._prompt(item) for item in _items(model_input)]
@@ -34,7 +39,6 @@ class CausalLMModel(PythonModel):
                                           do_sample=False, use_cache=True, pad_token_id=pad)
                 out.append(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
         return out
-
 
     def _prompt(self, item):
         """(text to continue, add special tokens?): a conversation is rendered with the exported chat template."""

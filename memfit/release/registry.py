@@ -202,8 +202,9 @@ def log_model(client: Any, tracking_uri: str, run_id: str, export_dir: str | Pat
     logged = client.create_logged_model(run.info.experiment_id, name=name, source_run_id=run_id,
                                         tags={"memfit.weights": digest or "unknown"}, params=run.data.params)
     with _tracking_uri(tracking_uri), warnings.catch_warnings():
-        # Nothing to act on: the signature is explicit, and an input example would load the model again.
-        warnings.filterwarnings("ignore", message=".*(type hint|input example|input_example).*")
+        # Nothing to act on: the signature is explicit, and an input example would load the model again. (MLflow's
+        # "Add type hints" warning is answered in pyfunc.py itself: its own "once" filter would override one here.)
+        warnings.filterwarnings("ignore", message=".*(input example|input_example).*")
         info = mlflow.models.Model.log(
             None, name=name, flavor=mlflow.pyfunc, run_id=run_id, model_id=logged.model_id,
             python_model=str(MODEL_CODE), artifacts={"hf": str(export_dir)}, pip_requirements=_requirements(),

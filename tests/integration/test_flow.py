@@ -148,7 +148,6 @@ def test_run_tells_the_whole_story(flow_run):
     assert run.data.tags["memfit.gate"] == "passed"
 
 
-@pytest.mark.filterwarnings("ignore:.*type hints.*:UserWarning")  # mlflow's advice for typed predict()s
 def test_registered_version_is_champion_and_serves(flow_run):
     import mlflow
     from mlflow import MlflowClient
