@@ -1,4 +1,4 @@
-"""memfit's imports: no cycle, layers that point down (README "Layout"), and only memfit/cli/ imports prefect."""
+"""memfit's imports: no cycle, layers that point down (README "Layout" says them), only memfit/cli/ imports prefect."""
 
 from __future__ import annotations
 
@@ -113,10 +113,11 @@ def test_the_core_never_imports_prefect():
                                for m in _imports(path, name, module_level_only=False)))
     assert offenders == [], f"these memfit modules import prefect (only memfit/cli/ may): {offenders}"
 
-# Bottom to top (docs: README "Layout"). Packages in one layer may import each other (the cycle test keeps that
-# one-way); a module imports only from its own layer and the layers below it.
+# Bottom to top; README.md's "Layout" section says them in the words layers_text() renders (a test below checks).
+# Packages in one layer may import each other (the cycle test keeps that one-way); a module imports only from its
+# own layer and the layers below it. config is on the floor: it imports only errors, and runtime reads it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("vocabulary", ("memfit", "memfit.errors", "memfit.files", "memfit.config", "memfit.reports")),
+    ("vocabulary", ("memfit", "memfit.config", "memfit.errors", "memfit.files", "memfit.reports")),
     ("platform", ("memfit.runtime", "memfit.storage", "memfit.tracking")),
     ("inputs", ("memfit.models", "memfit.data")),
     # A step's recipe (loss, optimizer, schedule) lives in training/ but sits under memory/: the estimator traces
@@ -172,3 +173,20 @@ def test_the_root_holds_only_the_spine():
 
 def _is_package(module: str) -> bool:
     return (PACKAGE / module.split(".", 1)[1] / "__init__.py").is_file()
+
+
+def layers_text() -> str:
+    """LAYERS as README.md's Layout section says them: `layer: member, ...` bottom to top, joined by arrows; a
+    member is its path under memfit/ (a module lifted out of its folder shows it: distributed/worker)."""
+    def path(member: str) -> str:
+        return member.removeprefix("memfit.").replace(".", "/")
+
+    return " → ".join(f"{name}: " + ", ".join(path(m) for m in members if m != "memfit") for name, members in LAYERS)
+
+
+def test_the_readme_says_these_layers():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    said = " ".join(section.split())  # the README wraps the line where it likes
+    assert layers_text() in said, f"README.md's Layout section does not say the layers as LAYERS has them:\n" \
+                                  f"{layers_text()}"
