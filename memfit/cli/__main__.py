@@ -2,4 +2,5 @@
 
 from memfit.cli import main
 
-main()
+if __name__ == "__main__":  # only as `python -m`: importing this module starts nothing
+    main()
