@@ -192,7 +192,7 @@ def _run_memfit(work: Path, args: argparse.Namespace, compiled: bool = False) ->
     model = run_context.build_training_model(cfg, inputs.model, plan)
     tracker = NullTracker()
     tracker.start_run("bench")
-    trainer = Trainer(cfg, model, data, device, tracker, None, run_context.run_identity(cfg))
+    trainer = Trainer(cfg, plan, model, data, device, tracker, None, run_context.run_identity(cfg))
     model.train()
     t0 = time.perf_counter()
     for _ in range(args.steps):

@@ -46,13 +46,13 @@ class DeepSpeedStrategy(TorchDistributed):
         self.name, self.plan, self.cfg = plan.strategy, plan, cfg
         self.autocast_precision = "fp32"  # DeepSpeed casts the module itself (bf16 / fp16 sections)
 
-    def prepare(self, model: nn.Module, t: TrainConfig, m: Any = None) -> None:
+    def prepare(self, model: nn.Module, t: TrainConfig, plan: Any = None) -> None:
         from memfit.distributed.ds_config import config_for, import_deepspeed
         from memfit.distributed.strategies import check_same_weights
         from memfit.models.loading import find_decoder_blocks
 
-        if self.cfg.memory.optimizer not in ("auto", "adamw"):
-            raise ConfigError(f"memory.optimizer: {self.cfg.memory.optimizer} with {self.name}: the DeepSpeed engine "
+        if self.plan.optimizer not in ("auto", "adamw"):
+            raise ConfigError(f"memory.optimizer: {self.plan.optimizer} with {self.name}: the DeepSpeed engine "
                               "steps its own AdamW (CPU offload: distributed.offload_optimizer); set it to auto")
         self.in_backward = None
 
