@@ -72,10 +72,12 @@ class DeepSpeedStrategy(TorchDistributed):
     def monitored(self) -> tuple[nn.Module, Any]:
         return self.model.module, self.optimizer
 
-    def backward(self, loss: torch.Tensor, accum: int) -> torch.Tensor:
+    divides_loss = False  # the engine scales by 1 / gradient_accumulation_steps itself
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
         self.model.backward(loss)  # scaled by 1 / gradient_accumulation_steps inside
         self.model.step()  # optimizer, scheduler and zero_grad run at the accumulation boundary
-        return loss.detach().float() / accum
+        return loss.detach().float() / self.ds_config["gradient_accumulation_steps"]
 
     def optimizer_step(self, max_grad_norm: float | None) -> float:
         norm = self.model.get_global_grad_norm()  # the engine stepped at the boundary; clipping is in its config

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from memfit.data.pairs import with_rejected_side
 from memfit.data.prepare import DataBundle
 from memfit.memory.monitor import MemoryMonitor
 from memfit.memory.probe import autocast_context
+from memfit.memory.step import train_step
 from memfit.models import experts
 from memfit.reports import PlanReport, TrainReport
 from memfit.runtime.env import keep_heap
@@ -195,30 +197,32 @@ class Trainer:
     def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor | float]:
         """One optimizer step over grad_accum_steps micro-batches; (this rank's loss, global grad norm)."""
         p, s = self.plan, self.strategy
-        loss_sum = torch.zeros((), device=self.device)
-        real = trained = slots = 0
-        for k in range(p.grad_accum_steps):
-            # The same global order on every rank; each takes its slice of the micro-batch.
-            idx = s.shard(self.order.next_indices(), p.micro_batch_size)
-            rows = [int(i) for i in idx]
-            lengths = [self._row_real[i] for i in rows]
-            row_trained = sum(self._row_trained[i] for i in rows)
-            real += sum(lengths)
-            trained += row_trained
-            slots += (sum(lengths) if self.flatten else
-                      len(rows) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1]))
-            self.trained_tokens_seen += row_trained
-            batch = blocks_batch(self.data.train, idx, self.device, self.data.train_fields, self.attn_implementation,
-                                 lengths if self.flatten else None)
-            with s.micro_batch(last=k == p.grad_accum_steps - 1):
-                with autocast_context(self.device, s.autocast_precision):
-                    loss = self.loss(self.model, batch)
-                loss_sum += s.backward(loss, p.grad_accum_steps)
+        counts = [0, 0, 0]  # this step's real, trained and computed tokens on this rank
+        loss_sum = train_step(self.model, self._batches(counts), s.autocast_precision, self.loss, p.grad_accum_steps,
+                              backward=s.backward, micro_batch=s.micro_batch, divide=s.divides_loss,
+                              total=torch.zeros((), device=self.device))
         self.tokens_seen += p.micro_batch_size * p.grad_accum_steps * self.data.train.shape[1]
-        self.step_counts = (real, trained, slots)
+        self.step_counts = (counts[0], counts[1], counts[2])
         grad_norm = s.optimizer_step(self.cfg.train.max_grad_norm)
         self.step += 1
         return loss_sum, grad_norm
+
+    def _batches(self, counts: list[int]) -> Iterator[Batch]:
+        """This rank's micro-batches of the next step, drawn as the step asks for them, their tokens counted."""
+        p = self.plan
+        for _ in range(p.grad_accum_steps):
+            # The same global order on every rank; each takes its slice of the micro-batch.
+            idx = self.strategy.shard(self.order.next_indices(), p.micro_batch_size)
+            rows = [int(i) for i in idx]
+            lengths = [self._row_real[i] for i in rows]
+            row_trained = sum(self._row_trained[i] for i in rows)
+            counts[0] += sum(lengths)
+            counts[1] += row_trained
+            counts[2] += (sum(lengths) if self.flatten else
+                          len(rows) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1]))
+            self.trained_tokens_seen += row_trained
+            yield blocks_batch(self.data.train, idx, self.device, self.data.train_fields, self.attn_implementation,
+                               lengths if self.flatten else None)
 
     def save(self, blocking: bool, force: bool = False, deadline: float | None = None, busy: bool | None = None
              ) -> None:

@@ -110,9 +110,11 @@ class SingleProcess:
         """Around one micro-batch's forward and backward (DDP: no all-reduce but on the last)."""
         return nullcontext()
 
-    def backward(self, loss: torch.Tensor, accum: int) -> torch.Tensor:
-        """Backward of one micro-batch's mean loss; returns its share of the step's loss (detached)."""
-        loss = loss / accum
+    # The step (memory/step.py train_step) divides each micro-batch's loss by the accumulation steps first.
+    divides_loss = True
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of one micro-batch's share of the step's loss; returns that share (detached)."""
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss.detach().float()
 
