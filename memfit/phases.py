@@ -182,9 +182,10 @@ def _plan(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: in
                       table_markdown=plan_table_markdown(plan), evaluation=evaluation)
 
 
-# -- phase 4, run before phase 3 ---------------------------------------------------------------------
+# -- phase 4, run before phases 2 and 3 -------------------------------------------------------------
 # Recovery comes before training's loop because the loop starts from what it finds: the step, the weights,
-# the optimizer and RNG states and the MLflow run of the newest verified training checkpoint (none: step 0).
+# the optimizer and RNG states, the plan and the MLflow run of the newest verified training checkpoint (none:
+# step 0); before planning because a resume on the same device reuses that plan.
 def recover_training_checkpoint(cfg: MemfitConfig) -> ResumePoint:
     """Find the newest training checkpoint of this run that verifies, download it, check it is this run's."""
     store = open_checkpoint_store(cfg)
