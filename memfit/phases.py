@@ -20,7 +20,7 @@ from memfit.memory.plan import plan_table_markdown
 from memfit.memory.plan_cache import cache_path, load_plan, plan_key, store_plan
 from memfit.memory.policies import make_policy
 from memfit.memory.probe import explain_oom, measure_step, verdict, weights_to_device
-from memfit.memory.replan import plan_changes, why_replan
+from memfit.memory.replan import plan_at_resume
 from memfit.memory.search import estimate_policy, plan_for, resolve_budget, target_profile
 from memfit.preflight import preflight
 from memfit.reports import AttemptReport, ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
@@ -95,10 +95,9 @@ def check_environment_and_probe(cfg: MemfitConfig) -> ProbeReport:
 # -- phase 2 ------------------------------------------------------------------------------------------
 def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport, resume: ResumePoint | None = None) -> PlanReport:
     """Choose the optimisation stack with the memory planner (or estimate a fixed memory.policy); the same
-    config, device, architecture and code as a run before in this work folder reuse its plan. With
-    recovery.on_memory_limit leaner, the stacks this run was stopped at the memory limit with are ruled out.
-    A resume (`resume`, phase 4's) on the same target reuses the plan its training checkpoint saved, without
-    planning; where it plans again, the plan's `changes` says why and what differs."""
+    config, device, architecture and code as a run before in this work folder reuse its plan, and a `resume` on
+    the same target its training checkpoint's (memory/replan.py). With recovery.on_memory_limit leaner, the
+    stacks this run was stopped at the memory limit with are ruled out."""
     device = probe_report.environment["device"]
     if cfg.memory.policy == "offload" and device["type"] != "cuda":
         make_policy("offload").apply(torch.nn.Linear(1, 1))  # raises the policy's own clear error
@@ -108,21 +107,8 @@ def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport, resume: ResumePoint
     for m in measured:
         log.info("memory limit before: %s measured %.4g GB at step %d > limit %.4g GB (%s): planning leaner",
                  m.label(), m.measured_bytes / 1e9, m.step, m.limit_bytes / 1e9, m.limit_source)
-    saved = resume.plan if resume is not None else None
-    why = None
-    if saved is not None:
-        why = why_replan(saved, profile.name, cfg.distributed.world_size, budget, cfg.memory.budget_gb is not None,
-                         measured)
-        if why is None:
-            log.info("plan reused from the training checkpoint at step %s: %s (%s)", resume.step,
-                     saved.description, saved.reason)
-            return saved.model_copy(update={"reused_from_step": resume.step, "changes": None})
-    plan = _planned(cfg, probe_report, profile, budget, source, measured)
-    if saved is not None:
-        changes = f"planned again at resume from step {resume.step}: {why}; {plan_changes(saved, plan)}"
-        log.warning("%s", changes)
-        plan = plan.model_copy(update={"changes": changes})
-    return plan
+    return plan_at_resume(resume, profile.name, cfg.distributed.world_size, budget, cfg.memory.budget_gb is not None,
+                          measured, lambda: _planned(cfg, probe_report, profile, budget, source, measured))
 
 
 def _planned(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: int | None, source: str,
@@ -137,9 +123,8 @@ def _planned(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget:
     if report.evaluation:  # phase 5 on the same device: said now, not after hours of training
         (log.info if report.evaluation["fits"] else log.warning)("%s", report.evaluation["line"])
     log.info("memory plan candidates:\n%s", report.table_markdown)
-    from memfit.distributed.planning import plan_distributed
+    from memfit.distributed.planning import plan_distributed  # several ranks: the strategy, bytes per rank
 
-    # Several ranks: the strategy (DDP, FSDP2, ZeRO) and the bytes each rank holds under it.
     return plan_distributed(cfg, probe_report, report)
 
 
@@ -172,20 +157,16 @@ def _plan(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: in
                       grad_accum_steps=chosen.stack.grad_accum_steps, reason=plan.reason,
                       description=policy.describe(), block_kinds=list(chosen.kinds), lora=chosen.stack.lora,
                       quantize=chosen.stack.quantize, loss=chosen.stack.loss, optimizer=chosen.stack.optimizer,
-                      optimizer_in_backward=chosen.stack.optimizer_in_backward,
-                      lean_layers=chosen.stack.lean_layers,
-                      fits=plan.fits, predicted_peak_bytes=chosen.peak_bytes,
-                      predicted_overhead=row["predicted_overhead"],
-                      predicted_step_seconds=row["predicted_step_seconds"], device=profile.name,
-                      budget_bytes=budget, budget_source=source,
-                      alternatives=[plan.row(e) for e in plan.table if e is not chosen],
-                      table_markdown=plan_table_markdown(plan), evaluation=evaluation)
+                      optimizer_in_backward=chosen.stack.optimizer_in_backward, lean_layers=chosen.stack.lean_layers,
+                      fits=plan.fits, predicted_peak_bytes=chosen.peak_bytes, budget_bytes=budget, device=profile.name,
+                      predicted_overhead=row["predicted_overhead"], budget_source=source, evaluation=evaluation,
+                      predicted_step_seconds=row["predicted_step_seconds"], table_markdown=plan_table_markdown(plan),
+                      alternatives=[plan.row(e) for e in plan.table if e is not chosen])
 
 
 # -- phase 4, run before phases 2 and 3 -------------------------------------------------------------
-# Recovery comes before training's loop because the loop starts from what it finds: the step, the weights,
-# the optimizer and RNG states, the plan and the MLflow run of the newest verified training checkpoint (none:
-# step 0); before planning because a resume on the same device reuses that plan.
+# The loop starts from what recovery finds (the step, weights, optimizer and RNG states and MLflow run of the
+# newest verified training checkpoint; none: step 0), and a resume on the same device reuses its plan.
 def recover_training_checkpoint(cfg: MemfitConfig) -> ResumePoint:
     """Find the newest training checkpoint of this run that verifies, download it, check it is this run's."""
     store = open_checkpoint_store(cfg)
@@ -317,8 +298,8 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
         raise CheckpointError(f"no complete training checkpoint under {cfg.checkpoint.uri} to export")
     # A LoRA run's training checkpoint holds its adapters: the base rebuilt as the planned run held it (its
     # saved plan says whether it was quantized), the adapters loaded (and saved alone when asked), then folded in.
-    saved_cfg = config_from_checkpoint(final, final.info.uri)
-    lora_cfg, quantize = saved_cfg.lora, trained_quantize(saved_cfg, final)
+    lora_cfg = config_from_checkpoint(final, final.info.uri).lora
+    quantize = trained_quantize(lora_cfg, final)
     model = adapted_from_state(inputs.model, lora_cfg, final.model_state, f"training checkpoint {final.info.uri}",
                                quantize)
     adapter_dir = None

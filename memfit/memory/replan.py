@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from memfit.reports import PlanReport
+from memfit.reports import PlanReport, ResumePoint
+
+log = logging.getLogger("memfit.phases")  # phase 2's own line in the run's log
 
 # The knobs a plan decides, in the order a change is told (the rest of a plan is its evidence).
 DECIDED = ("precision", "micro_batch_size", "grad_accum_steps", "policy", "every_k", "block_kinds", "lora",
            "quantize", "loss", "optimizer", "optimizer_in_backward", "lean_layers", "strategy", "world_size")
+
+
+def plan_at_resume(resume: ResumePoint | None, device: str, world_size: int, budget: int | None, budget_fixed: bool,
+                   measured: Sequence[Any], plan: Callable[[], PlanReport]) -> PlanReport:
+    """The plan the resumed training checkpoint saved, when nothing it was made for changed (said in the log);
+    else `plan()`, whose `changes` then say why it was planned again and what differs (also a warning)."""
+    saved = resume.plan if resume is not None else None
+    if saved is None:
+        return plan()
+    why = why_replan(saved, device, world_size, budget, budget_fixed, measured)
+    if why is None:
+        log.info("plan reused from the training checkpoint at step %s: %s (%s)", resume.step, saved.description,
+                 saved.reason)
+        return saved.model_copy(update={"reused_from_step": resume.step, "changes": None})
+    new = plan()
+    changes = f"planned again at resume from step {resume.step}: {why}; {plan_changes(saved, new)}"
+    log.warning("%s", changes)
+    return new.model_copy(update={"changes": changes})
 
 
 def why_replan(saved: PlanReport, device: str, world_size: int, budget: int | None, budget_fixed: bool,

@@ -114,11 +114,12 @@ def checkpoint_plan(loaded: LoadedCheckpoint) -> Any:
                               f"({str(err).splitlines()[0]})") from None
 
 
-def trained_quantize(cfg: Any, loaded: LoadedCheckpoint) -> str:
-    """The frozen base's quantization the run trained its adapters on: its plan's, else its saved config's."""
+def trained_quantize(lora_cfg: Any, loaded: LoadedCheckpoint) -> str:
+    """The frozen base's quantization the run trained its adapters on: its plan's, else its saved config's
+    (`lora_cfg`, the checkpoint's lora section)."""
     plan = checkpoint_plan(loaded)
     if plan is None:
-        return cfg.lora.quantize
+        return lora_cfg.quantize
     return plan.quantize if plan.lora else "none"
 
 
@@ -224,7 +225,7 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
         try:
             from memfit.models.lora import adapted_from_state, merge_lora
 
-            quantize = trained_quantize(cfg, loaded)
+            quantize = trained_quantize(cfg.lora, loaded)
             model = adapted_from_state(model, cfg.lora, loaded.model_state, f"training checkpoint {loaded.info.uri}",
                                        quantize)
         except RuntimeError as err:

@@ -44,7 +44,7 @@ def test_resume_on_the_same_device_reuses_the_saved_plan_without_planning(tiny_c
 
     monkeypatch.setattr(phases, "plan_for", no_planning)
     monkeypatch.setattr(phases, "load_plan", no_planning)  # not the plan cache either
-    with caplog.at_level(logging.INFO, logger="memfit.phases"):
+    with caplog.at_level(logging.INFO, logger="memfit"):
         reused = phases.plan_stack(longer, probe, resume)
     assert "plan reused from the training checkpoint at step 4" in caplog.text
     assert _decided(reused) == _decided(plan) and reused.reused_from_step == 4 and reused.changes is None
@@ -63,7 +63,7 @@ def test_resume_on_another_device_plans_again_and_says_what_changed(tiny_config,
     moved = tiny_config(**{"train.max_steps": 6, "checkpoint.every_steps": 2, "memory.device": "h100-80gb"})
     resume = phases.recover_training_checkpoint(moved)
     assert resume.plan is not None and resume.plan.device == "cpu"
-    with caplog.at_level(logging.INFO, logger="memfit.phases"):
+    with caplog.at_level(logging.INFO, logger="memfit"):
         replanned = phases.plan_stack(moved, probe, resume)
     assert "plan reused" not in caplog.text
     line = next(r.getMessage() for r in caplog.records if "planned again at resume" in r.getMessage())
