@@ -57,7 +57,7 @@ def _trainer(cfg, manager):
     model = run_context.build_training_model(cfg, inputs.model, plan)
     tracker = NullTracker()
     tracker.start_run("bench")
-    return Trainer(cfg, model, data, device, tracker, manager, run_context.run_identity(cfg))
+    return Trainer(cfg, plan, model, data, device, tracker, manager, run_context.run_identity(cfg))
 
 
 def _block(trainer, steps: int, every: int | None) -> float:

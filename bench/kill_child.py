@@ -27,13 +27,11 @@ def train_phase(config_path: str, overrides: list[str]) -> dict:
     The plan is fixed (no gradient checkpointing; the config's precision, batch and LoRA when lora.enabled is
     true): resume is under test, not planning."""
     from memfit import config, phases
-    from memfit.reports import PlanReport
+    from memfit.run_context import configured_plan
 
     cfg = config.load(config_path, overrides)
-    t, lora = cfg.train, cfg.lora.enabled is True
-    plan = PlanReport(policy="none", every_k=2, precision=t.precision, micro_batch_size=t.micro_batch_size,
-                      grad_accum_steps=t.grad_accum_steps, reason="kill trial", description="none", lora=lora,
-                      quantize=cfg.lora.quantize if lora else "none")
+    # The options under test (memory.optimizer, loss, lean layers, stepping in backward) as the config sets them.
+    plan = configured_plan(cfg, "none", reason="kill trial")
     return phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), None).model_dump(mode="json")
 
 

@@ -72,7 +72,7 @@ def _setup(args, data: Path, work: Path, packing: str):
     model = run_context.build_training_model(cfg, inputs.model, plan)
     tracker = NullTracker()
     tracker.start_run("bench")
-    trainer = Trainer(cfg, model, bundle, device, tracker, None, run_context.run_identity(cfg))
+    trainer = Trainer(cfg, plan, model, bundle, device, tracker, None, run_context.run_identity(cfg))
     taken: list[int] = []
     draw = trainer.order.next_indices
     trainer.order.next_indices = lambda: taken.extend(draw()) or taken[-args.batch:]  # record what each step reads

@@ -169,7 +169,6 @@ def run_peer(peer: str, work: Path, args: argparse.Namespace) -> dict:
 def _run_memfit(work: Path, args: argparse.Namespace, compiled: bool = False) -> dict:
     from memfit import config, run_context
     from memfit.data.cache import cached_data
-    from memfit.reports import PlanReport
     from memfit.runtime.env import pin_threads, resolve_device
     from memfit.tracking.null import NullTracker
     from memfit.training.loop import Trainer
@@ -187,12 +186,11 @@ def _run_memfit(work: Path, args: argparse.Namespace, compiled: bool = False) ->
     pin_threads(cfg.train.num_threads)
     inputs = run_context.load_inputs(cfg)
     data = cached_data(cfg, inputs.texts, inputs.digest, inputs.tokenizer, inputs.model.config)
-    plan = PlanReport(policy="none", every_k=2, precision="fp32", micro_batch_size=args.batch, grad_accum_steps=1,
-                      reason="bench", description="none")
+    plan = run_context.configured_plan(cfg, "none", reason="bench")  # memory.optimizer as the --optim asked
     model = run_context.build_training_model(cfg, inputs.model, plan)
     tracker = NullTracker()
     tracker.start_run("bench")
-    trainer = Trainer(cfg, model, data, device, tracker, None, run_context.run_identity(cfg))
+    trainer = Trainer(cfg, plan, model, data, device, tracker, None, run_context.run_identity(cfg))
     model.train()
     t0 = time.perf_counter()
     for _ in range(args.steps):

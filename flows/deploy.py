@@ -14,7 +14,7 @@ from memfit.runtime.recovery import TAG_RECOVERY
 log = logging.getLogger("memfit.recovery")
 
 DESCRIPTIONS = {
-    "finetune": "Fine-tune a causal LM: probe, plan, recover, train, evaluate and export (manual runs).",
+    "finetune": "Fine-tune a causal LM: probe, recover, plan, train, evaluate and export (manual runs).",
     "retrain": "Scheduled retraining: newest data, from the champion, promoted only if the eval gate passes.",
     "export": "Export a training checkpoint (local or S3) to a verified SafeTensors folder and ONNX file.",
 }

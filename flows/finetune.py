@@ -25,7 +25,7 @@ from tasks.train import train_task
       persist_result=True)
 @ends_in_named_states  # under a deployment: Preempted / MemoryLimit, the states the restart automations follow
 def finetune(form: RunForm = RunForm(), config: MemfitConfig = MemfitConfig()) -> RunSummary:  # noqa: B008
-    """Fine-tune a causal LM: probe, plan, recover, train, evaluate and export. The form's fields (model, data,
+    """Fine-tune a causal LM: probe, recover, plan, train, evaluate and export. The form's fields (model, data,
     steps, ...) come first in the UI; empty ones keep the config's values (the full tree, below them)."""
     config = form.apply(config)
     # Recovery: this flow run's attempt of its logical run (tags, name); a spent restart budget ends it here.
@@ -36,10 +36,11 @@ def finetune(form: RunForm = RunForm(), config: MemfitConfig = MemfitConfig()) -
         return Failed(name=BUDGET_SPENT, message=attempt.reason)
     # Phase 1: environment check + baseline OOM probe (a real plain step against the budget).
     probe = probe_task(config)
-    # Phase 2: optimisation stack: the gradient-checkpointing policy and precision that fit.
-    plan = setup_task(config, probe)
-    # Phase 4 before phase 3: training starts from what recovery finds (the newest verified training checkpoint).
+    # Phase 4 before phases 2 and 3: training starts from what recovery finds (the newest verified training
+    # checkpoint), and a resume on the same device reuses the plan that checkpoint saved.
     resume = recover_task(config)
+    # Phase 2: optimisation stack: the gradient-checkpointing policy and precision that fit (or the saved plan).
+    plan = setup_task(config, probe, resume)
     # Phase 3: checkpointed training with MLflow metrics (skipped when the run already finished).
     trained = train_task(config, plan, resume, probe, attempt)
     # Phase 5: evaluation + verified SafeTensors and ONNX exports.

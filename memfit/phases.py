@@ -20,6 +20,7 @@ from memfit.memory.plan import plan_table_markdown
 from memfit.memory.plan_cache import cache_path, load_plan, plan_key, store_plan
 from memfit.memory.policies import make_policy
 from memfit.memory.probe import explain_oom, measure_step, verdict, weights_to_device
+from memfit.memory.replan import plan_at_resume
 from memfit.memory.search import estimate_policy, plan_for, resolve_budget, target_profile
 from memfit.preflight import preflight
 from memfit.reports import AttemptReport, ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
@@ -31,7 +32,7 @@ from memfit.run_context import (
     log_training_end,
     measured_peaks_for,
     plan_policy,
-    planned_config,
+    record_plan_at_resume,
     remember_memory_limit,
     run_identity,
     run_tags,
@@ -92,10 +93,11 @@ def check_environment_and_probe(cfg: MemfitConfig) -> ProbeReport:
 
 
 # -- phase 2 ------------------------------------------------------------------------------------------
-def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
+def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport, resume: ResumePoint | None = None) -> PlanReport:
     """Choose the optimisation stack with the memory planner (or estimate a fixed memory.policy); the same
-    config, device, architecture and code as a run before in this work folder reuse its plan. With
-    recovery.on_memory_limit leaner, the stacks this run was stopped at the memory limit with are ruled out."""
+    config, device, architecture and code as a run before in this work folder reuse its plan, and a `resume` on
+    the same target its training checkpoint's (memory/replan.py). With recovery.on_memory_limit leaner, the
+    stacks this run was stopped at the memory limit with are ruled out."""
     device = probe_report.environment["device"]
     if cfg.memory.policy == "offload" and device["type"] != "cuda":
         make_policy("offload").apply(torch.nn.Linear(1, 1))  # raises the policy's own clear error
@@ -105,6 +107,13 @@ def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
     for m in measured:
         log.info("memory limit before: %s measured %.4g GB at step %d > limit %.4g GB (%s): planning leaner",
                  m.label(), m.measured_bytes / 1e9, m.step, m.limit_bytes / 1e9, m.limit_source)
+    return plan_at_resume(resume, profile.name, cfg.distributed.world_size, budget, cfg.memory.budget_gb is not None,
+                          measured, lambda: _planned(cfg, probe_report, profile, budget, source, measured))
+
+
+def _planned(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: int | None, source: str,
+             measured: list[Any]) -> PlanReport:
+    """The planner's plan (or the plan cache's), logged, with the distributed strategy when several ranks."""
     cached = cache_path(cfg.run.work_dir, plan_key(cfg, profile, budget, source, probe_report.architecture, measured))
     report = load_plan(cached)
     if report is None:
@@ -114,9 +123,8 @@ def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport) -> PlanReport:
     if report.evaluation:  # phase 5 on the same device: said now, not after hours of training
         (log.info if report.evaluation["fits"] else log.warning)("%s", report.evaluation["line"])
     log.info("memory plan candidates:\n%s", report.table_markdown)
-    from memfit.distributed.planning import plan_distributed
+    from memfit.distributed.planning import plan_distributed  # several ranks: the strategy, bytes per rank
 
-    # Several ranks: the strategy (DDP, FSDP2, ZeRO) and the bytes each rank holds under it.
     return plan_distributed(cfg, probe_report, report)
 
 
@@ -149,17 +157,16 @@ def _plan(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: in
                       grad_accum_steps=chosen.stack.grad_accum_steps, reason=plan.reason,
                       description=policy.describe(), block_kinds=list(chosen.kinds), lora=chosen.stack.lora,
                       quantize=chosen.stack.quantize, loss=chosen.stack.loss, optimizer=chosen.stack.optimizer,
-                      optimizer_in_backward=chosen.stack.optimizer_in_backward,
-                      lean_layers=chosen.stack.lean_layers,
-                      fits=plan.fits, predicted_peak_bytes=chosen.peak_bytes,
-                      predicted_overhead=row["predicted_overhead"], budget_bytes=budget, budget_source=source,
-                      alternatives=[plan.row(e) for e in plan.table if e is not chosen],
-                      table_markdown=plan_table_markdown(plan), evaluation=evaluation)
+                      optimizer_in_backward=chosen.stack.optimizer_in_backward, lean_layers=chosen.stack.lean_layers,
+                      fits=plan.fits, predicted_peak_bytes=chosen.peak_bytes, budget_bytes=budget, device=profile.name,
+                      predicted_overhead=row["predicted_overhead"], budget_source=source, evaluation=evaluation,
+                      predicted_step_seconds=row["predicted_step_seconds"], table_markdown=plan_table_markdown(plan),
+                      alternatives=[plan.row(e) for e in plan.table if e is not chosen])
 
 
-# -- phase 4, run before phase 3 ---------------------------------------------------------------------
-# Recovery comes before training's loop because the loop starts from what it finds: the step, the weights,
-# the optimizer and RNG states and the MLflow run of the newest verified training checkpoint (none: step 0).
+# -- phase 4, run before phases 2 and 3 -------------------------------------------------------------
+# The loop starts from what recovery finds (the step, weights, optimizer and RNG states and MLflow run of the
+# newest verified training checkpoint; none: step 0), and a resume on the same device reuses its plan.
 def recover_training_checkpoint(cfg: MemfitConfig) -> ResumePoint:
     """Find the newest training checkpoint of this run that verifies, download it, check it is this run's."""
     store = open_checkpoint_store(cfg)
@@ -187,9 +194,11 @@ def recover_training_checkpoint(cfg: MemfitConfig) -> ResumePoint:
                               f"(differs in {', '.join(diff) or 'format'}); use another checkpoint.uri for a new "
                               "run, or restore those settings to resume it")
     log.info("resuming from training checkpoint %s (step %d)", loaded.info.uri, loaded.step)
+    saved = loaded.state.get("plan")  # verified with the rest of state.json; absent in older checkpoints
     return point.model_copy(update={
         "step": loaded.step, "source_uri": loaded.info.uri, "local_dir": str(dest / loaded.info.prefix),
-        "mlflow_run_id": loaded.state.get("mlflow_run_id"), "finished": loaded.step >= cfg.train.max_steps})
+        "mlflow_run_id": loaded.state.get("mlflow_run_id"), "finished": loaded.step >= cfg.train.max_steps,
+        "plan": PlanReport.model_validate(saved) if saved else None})
 
 
 # -- phase 3 ------------------------------------------------------------------------------------------
@@ -214,11 +223,12 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
     run_id = tracker.start_run(cfg.run.name, run_id=resume.mlflow_run_id, tags=run_tags(device))
     manager = checkpoint_manager(cfg)
     try:
-        # The trainer runs the planned precision and accumulation; the run's identity stays the user's config.
-        trainer = Trainer(planned_config(cfg, plan), model, data, device, tracker, manager, run_identity(cfg))
+        # The trainer runs what the plan decided; the run's identity stays the user's config.
+        trainer = Trainer(cfg, plan, model, data, device, tracker, manager, run_identity(cfg))
         if resume.local_dir:
             trainer.restore(Path(resume.local_dir))
             tracker.set_tags({"memfit.resumed_from_step": str(resume.step)})
+            record_plan_at_resume(tracker, plan, resume.step)
             record_recovery(tracker, attempt, resume.step)
         if not resume.local_dir or not tracker.continued:
             # A fresh run, or a resume whose MLflow run is not in this store: the new run gets params and plan.
@@ -272,7 +282,7 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
     from memfit.evaluation.review import generate_heldout, generate_samples, log_generations, perplexity
     from memfit.models.lora import adapted_from_state, is_adapted, merge_lora
     from memfit.release.adapter import ADAPTER_DIR, verify_adapter, write_adapter
-    from memfit.release.from_checkpoint import config_from_checkpoint, parity_criteria
+    from memfit.release.from_checkpoint import config_from_checkpoint, parity_criteria, trained_quantize
     from memfit.release.publish import release
     from memfit.training.loop import evaluate_loss
 
@@ -287,14 +297,15 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
     if final is None:
         raise CheckpointError(f"no complete training checkpoint under {cfg.checkpoint.uri} to export")
     # A LoRA run's training checkpoint holds its adapters: the base rebuilt as the planned run held it (its
-    # saved config says whether the plan quantized it), the adapters loaded (and saved alone when asked), then
-    # folded in.
+    # saved plan says whether it was quantized), the adapters loaded (and saved alone when asked), then folded in.
     lora_cfg = config_from_checkpoint(final, final.info.uri).lora
-    model = adapted_from_state(inputs.model, lora_cfg, final.model_state, f"training checkpoint {final.info.uri}")
+    quantize = trained_quantize(lora_cfg, final)
+    model = adapted_from_state(inputs.model, lora_cfg, final.model_state, f"training checkpoint {final.info.uri}",
+                               quantize)
     adapter_dir = None
     if cfg.export.adapter and is_adapted(model):
         adapter_dir = write_adapter(model, inputs.tokenizer, Path(cfg.export.dir) / ADAPTER_DIR, inputs.source,
-                                    lora_cfg.quantize)
+                                    quantize)
     elif cfg.export.adapter:
         log.warning("export.adapter: this run trained all weights (lora.enabled=auto chose a full fine-tune): "
                     "no adapter to export; the merged SafeTensors export is the model")
@@ -304,7 +315,7 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
     cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"dtype": phase5_dtype(cfg, device, model)})})
     model.to(device=device if cfg.eval.dtype == "fp32" else "cpu", dtype=torch.float32)
     evaluated = model if cfg.eval.dtype == "fp32" else device_twin(model, device, TORCH[cfg.eval.dtype])
-    adapter = (verify_adapter(adapter_dir, model, inputs.source, lora_cfg.quantize, parity_criteria(cfg.export))
+    adapter = (verify_adapter(adapter_dir, model, inputs.source, quantize, parity_criteria(cfg.export))
                if adapter_dir else None)
     val_loss = evaluate_loss(evaluated, data.val, cfg.train.micro_batch_size, device, "fp32", cfg.train.eval_batches,
                              fields=data.val_fields)
@@ -367,8 +378,9 @@ def launch_node(cfg: MemfitConfig) -> TrainReport | None:
         raise ConfigError("memfit launch-node is for multi-process runs: set distributed.nnodes / nproc_per_node")
     # The same plan as node 0 (a pure function of the config and this node's probe) and this node's own copy
     # of the training checkpoint to resume from.
-    plan = plan_stack(cfg, check_environment_and_probe(cfg))
+    probe = check_environment_and_probe(cfg)
     resume = recover_training_checkpoint(cfg)
+    plan = plan_stack(cfg, probe, resume)
     if resume.finished:
         log.info("run already finished at step %s: nothing to do on this node", resume.step)
         return None

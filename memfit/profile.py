@@ -38,19 +38,13 @@ def planned_stack(cfg: MemfitConfig) -> Any:
 
 
 def fixed_stack(cfg: MemfitConfig, name: str) -> Any:
-    """A PlanReport for one named policy at the config's own precision, micro-batch and LoRA setting."""
-    from memfit.memory.policies import make_policy
-    from memfit.reports import PlanReport
+    """A plan for one named policy at the config's own precision, micro-batch and LoRA setting."""
+    from memfit.run_context import configured_plan
 
     try:
-        policy = make_policy(name, every_k=cfg.memory.every_k, save_ops=cfg.memory.selective_save_ops,
-                             block_class=cfg.memory.block_class)
+        return configured_plan(cfg, name, reason="memfit profile --compare")
     except ConfigError as err:
         raise ConfigError(f"--compare {name}: {err}".replace("choose one of auto, ", "choose from auto, ")) from None
-    return PlanReport(policy=name, every_k=cfg.memory.every_k, precision=cfg.train.precision,
-                      micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
-                      reason="memfit profile --compare", description=policy.describe(),
-                      lora=cfg.lora.enabled is True)
 
 
 def profile(cfg: MemfitConfig, out_dir: str | Path | None = None, steps: int = 3, compare: list[str] | None = None,
@@ -118,7 +112,7 @@ def _profile_stack(cfg: MemfitConfig, base_model: torch.nn.Module, data: Any, de
     from memfit.training.loop import Trainer
 
     model = run_context.build_training_model(cfg, copy.deepcopy(base_model), plan)
-    trainer = Trainer(cfg=run_context.planned_config(cfg, plan), model=model, data=data, device=device,
+    trainer = Trainer(cfg=cfg, plan=plan, model=model, data=data, device=device,
                       tracker=NullTracker(), checkpoints=None, identity={})
     model.train()
     seconds = [_timed_step(trainer, device) for _ in range(steps - 1)]

@@ -39,7 +39,12 @@ class ProbeReport(_Report):
 
 
 class PlanReport(_Report):
-    """Phase 2: the optimisation stack chosen, and why."""
+    """Phase 2's plan: every knob the planner decided, the predicted peak and step time, and why. Frozen: the
+    trainer, profile, the ranks and export read their decisions from it (beside the config, whose auto fields
+    only the planner reads); training checkpoints save it as JSON (state.json "plan") and a resume on the same
+    device reuses it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     policy: str
     every_k: int
@@ -52,13 +57,17 @@ class PlanReport(_Report):
                                           "full or offload.")
     lora: bool = False
     quantize: str = Field("none", description="The frozen base's quantization with LoRA: none or nf4.")
-    loss: str | None = Field(None, description="memory.loss as planned: plain or chunked (None: as configured).")
-    optimizer: str | None = Field(None, description="memory.optimizer as planned (None: as configured).")
-    optimizer_in_backward: bool | None = Field(None, description="memory.optimizer_in_backward as planned.")
-    lean_layers: bool | None = Field(None, description="memory.lean_layers as planned.")
+    loss: str = Field("auto", description="The loss as planned: plain or chunked (auto: by the model's vocabulary, "
+                      "for a plan not made by the planner, e.g. `memfit profile --compare`).")
+    optimizer: str = Field("auto", description="The AdamW variant as planned (auto: by the device it runs on).")
+    optimizer_in_backward: bool = Field(False, description="Each parameter stepped in backward, as planned.")
+    lean_layers: bool = Field(False, description="Lean SwiGLU / RMSNorm layers, as planned.")
     fits: bool | None = None
     predicted_peak_bytes: int | None = None
     predicted_overhead: float | None = Field(None, description="Predicted step time / no checkpointing - 1.")
+    predicted_step_seconds: float | None = Field(None, description="The estimator's step time on the target.")
+    device: str | None = Field(None, description="The target it was planned for: the device profile's name "
+                               "(memory.device, else this machine's).")
     budget_bytes: int | None = None
     budget_source: str | None = None
     alternatives: list[dict[str, Any]] = Field(default_factory=list, description="Other candidates estimated.")
@@ -70,6 +79,10 @@ class PlanReport(_Report):
     world_size: int = Field(1, description="Training processes in all (distributed.nproc_per_node x nnodes).")
     sharding: dict[str, Any] | None = Field(None, description="Estimated bytes per rank under the strategy "
                                             "(memfit/memory/sharding.py per_rank_bytes).")
+    reused_from_step: int | None = Field(None, description="Reused from the training checkpoint of this step, "
+                                         "without planning (a resume on the same target).")
+    changes: str | None = Field(None, description="A re-plan at resume: why it planned again and what differs "
+                                "from the plan the training checkpoint saved.")
 
 
 class ResumePoint(_Report):
@@ -81,6 +94,8 @@ class ResumePoint(_Report):
     local_dir: str | None = None
     mlflow_run_id: str | None = None
     finished: bool = False
+    plan: PlanReport | None = Field(None, description="The plan the training checkpoint's run trained with "
+                                    "(None: a fresh run, or a checkpoint written before plans were saved).")
 
 
 class TrainReport(_Report):

@@ -141,18 +141,18 @@ def plan_policy(cfg: MemfitConfig, name: str, every_k: int | None, kinds: Any) -
 
 
 
-def planned_config(cfg: MemfitConfig, plan: PlanReport) -> MemfitConfig:
-    """The config the trainer runs: precision, accumulation, LoRA and its quantization as planned (the global
-    batch never changes); training checkpoints save it, so an export rebuilds the base that was trained."""
-    train = cfg.train.model_copy(update={"precision": plan.precision, "grad_accum_steps": plan.grad_accum_steps})
-    lora = cfg.lora.model_copy(update={"enabled": plan.lora, "quantize": plan.quantize if plan.lora else "none"})
-    # The loss and AdamW variant the planner chose among (memory.* auto); a report without them keeps the config's.
-    chosen = {"loss": plan.loss, "optimizer": plan.optimizer, "optimizer_in_backward": plan.optimizer_in_backward,
-              "lean_layers": plan.lean_layers}
-    if cfg.distributed.world_size > 1:
-        chosen["loss"] = None  # several ranks run the model's own loss (auto resolves it so)
-    memory = cfg.memory.model_copy(update={k: v for k, v in chosen.items() if v is not None})
-    return cfg.model_copy(update={"train": train, "lora": lora, "memory": memory})
+def configured_plan(cfg: MemfitConfig, policy: str = "none", reason: str = "as configured") -> PlanReport:
+    """A plan the planner did not make: `policy` with the config's own precision, micro-batch, LoRA setting and
+    techniques (`memfit profile --compare`, benchmarks, tests); an auto loss or optimizer is resolved when built."""
+    m = cfg.memory
+    description = make_policy(policy, every_k=m.every_k, save_ops=m.selective_save_ops,
+                              block_class=m.block_class).describe()
+    lora = cfg.lora.enabled is True
+    return PlanReport(policy=policy, every_k=m.every_k, precision=cfg.train.precision,
+                      micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
+                      reason=reason, description=description, lora=lora,
+                      quantize=cfg.lora.quantize if lora else "none", loss=m.loss, optimizer=m.optimizer,
+                      optimizer_in_backward=m.optimizer_in_backward is True, lean_layers=m.lean_layers is True)
 
 
 
@@ -163,7 +163,7 @@ def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanRe
         from memfit.models.lora import prepare_lora_model
 
         model = prepare_lora_model(model, cfg.lora, plan.precision, quantize=plan.quantize, seed=cfg.train.seed)
-    if plan.lean_layers or (plan.lean_layers is None and cfg.memory.lean_layers is True):
+    if plan.lean_layers:
         from memfit.memory.lean_layers import apply_lean_layers
 
         log.info("memory.lean_layers: %s", apply_lean_layers(model))
@@ -190,6 +190,17 @@ def log_training_end(tracker: Any, plan: PlanReport, probe_report: ProbeReport |
     close = getattr(tracker, "close", None)
     if close is not None:
         close()
+
+
+
+def record_plan_at_resume(tracker: Any, plan: PlanReport, step: int | None) -> None:
+    """On the run in MLflow: the plan reused from the training checkpoint, or why it was planned again and what
+    changed (a tag and the new plan beside the first one)."""
+    if plan.changes:
+        tracker.set_tags({"memfit.plan": "replanned", "memfit.plan_changes": plan.changes[:4000]})
+        tracker.log_text(json.dumps(plan.model_dump(mode="json"), indent=2), f"memory/plan-at-step-{step}.json")
+    elif plan.reused_from_step is not None:
+        tracker.set_tags({"memfit.plan": f"reused from the training checkpoint at step {plan.reused_from_step}"})
 
 
 

@@ -89,7 +89,7 @@ def config_for(cfg: Any, plan: Any, num_layers: int) -> dict[str, Any]:
         raise ConfigError(f"not a DeepSpeed strategy: {plan.strategy}")
     t = cfg.train
     return deepspeed_config(stage=stage, world_size=cfg.distributed.world_size, batch_size=t.batch_size,
-                            grad_accum_steps=t.grad_accum_steps, precision=plan.precision,
+                            grad_accum_steps=plan.grad_accum_steps, precision=plan.precision,
                             max_grad_norm=t.max_grad_norm, lr=t.lr, weight_decay=t.weight_decay,
                             policy=plan.policy, num_layers=num_layers,
                             offload_optimizer=cfg.distributed.offload_optimizer)

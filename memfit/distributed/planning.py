@@ -53,8 +53,10 @@ def plan_distributed(cfg: MemfitConfig, probe: ProbeReport, plan: PlanReport) ->
         raise ConfigError(f"memory.policy=offload with distributed.strategy={strategy}: use full or selective "
                           "(sharding already frees the memory offload would)")
     log.info("distributed: %s on %d ranks: %s", strategy, world, why)
+    # Several ranks run the model's own loss: an auto loss is plain there (chunked is refused when built).
+    loss = "plain" if cfg.memory.loss == "auto" else cfg.memory.loss
     return plan.model_copy(update={"strategy": strategy, "world_size": world, "sharding": _jsonable(est),
-                                   "reason": f"{plan.reason}; {why}"})
+                                   "reason": f"{plan.reason}; {why}", "loss": loss})
 
 
 def _jsonable(est: dict[str, Any]) -> dict[str, Any]:

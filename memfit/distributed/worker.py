@@ -73,14 +73,14 @@ def _run(job: Any, cfg: MemfitConfig, info: Any, stop: threading.Event, save_req
         (jdir / RUN_ID_FILE).write_text(str(tracker.run_id))
         if resume.local_dir:
             tracker.set_tags({"memfit.resumed_from_step": str(resume.step)})
+            run_context.record_plan_at_resume(tracker, plan, resume.step)
         if not resume.local_dir or not tracker.continued:  # a new run (also: its old one is not in this store)
             run_context.log_run_start(tracker, cfg, plan, data, probe)
-    # The ranks run the planned precision and accumulation, as one process does; the identity stays the user's.
-    tcfg = run_context.planned_config(cfg, plan)
+    # The ranks run what the plan decided, as one process does; the identity stays the user's.
     checkpointer = run_context.sharded_checkpointer(cfg, info.rank, info.world_size)
     try:
-        trainer = Trainer(tcfg, model, data, info.device, tracker, checkpointer, run_context.run_identity(cfg),
-                          _strategy(plan, info, tcfg))
+        trainer = Trainer(cfg, plan, model, data, info.device, tracker, checkpointer,
+                          run_context.run_identity(cfg), _strategy(plan, info, cfg))
         if resume.local_dir:
             trainer.restore(Path(resume.local_dir))
             log.info("resumed from %s at step %d on %d ranks", resume.source_uri, trainer.step, info.world_size)

@@ -1,9 +1,10 @@
-"""One training step exactly as the trainer runs it, for measuring (real tensors) and estimating (fake ones)."""
+"""The training step, the only one: the trainer runs it, the probe measures it (real tensors), the estimator traces it
+(fake ones)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from memfit.config.devices import DeviceProfile
 from memfit.memory.tracker import HOST, StepTracker, tensors_of
-from memfit.training.loss import LossPolicy, PlainLoss
+from memfit.training.loss import Batch, LossPolicy, PlainLoss
 from memfit.training.optim import StepInBackward, make_adamw, param_groups
 
 
@@ -108,19 +109,48 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         g["lr"] = lr
 
 
+def train_step(model: nn.Module, batches: Iterable[Batch], precision: str, loss_fn: LossPolicy, n: int, *,
+               backward: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+               micro_batch: Callable[[bool], AbstractContextManager[Any]] | None = None,
+               divide: bool = True, total: torch.Tensor | None = None, tracker: StepTracker | None = None
+               ) -> torch.Tensor | None:
+    """The forward and backward of a step's `n` micro-batches, as the trainer, the probe and the estimator run
+    them: each forward under autocast, its mean loss divided by `n` (unless the strategy divides: `divide`
+    False), then `backward` (the strategy's: loss scaling; plain `loss.backward()` without one), inside
+    `micro_batch(last)` (DDP: no all-reduce but on the last). What `backward` returns is summed into `total`
+    (the step's loss); the optimizer step after it is the caller's. `tracker` marks each phase of each
+    micro-batch (the estimator's segments)."""
+    for m, batch in enumerate(batches):
+        if tracker is not None:
+            tracker.reset_mod_stats()  # MemTracker needs this between calls of the root module
+            tracker.phase("fwd", f"m{m}.")
+        with micro_batch(m == n - 1) if micro_batch is not None else nullcontext():
+            with autocast_context(batch["input_ids"].device, precision):
+                loss = loss_fn(model, batch)
+                if divide:
+                    loss = loss / n
+            if tracker is not None:
+                tracker.phase("bwd", f"m{m}.")
+            share = backward(loss) if backward is not None else loss.backward()
+            del loss
+        if share is not None and total is not None:
+            total += share
+    return total
+
+
 def run_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, batches: Sequence[torch.Tensor],
              precision: str, tracker: StepTracker | None = None, max_grad_norm: float | None = 1.0,
              loss_fn: LossPolicy | None = None, in_backward: bool = False) -> None:
-    """Forward + backward per micro-batch (loss / accumulation steps), then clip and step, like the trainer.
+    """train_step over token blocks (labels = inputs), then clip and step as the trainer's optimizer does.
 
     in_backward: each parameter is stepped, and its gradient freed, as soon as the gradient is accumulated
     (memory.optimizer_in_backward); then there is no step after backward.
     """
     loss_fn = loss_fn or PlainLoss()
-    n = len(batches)
     hooks = StepInBackward(optimizer) if in_backward and optimizer is not None else None
     try:
-        _micro_batches(model, batches, precision, tracker, loss_fn, n)
+        train_step(model, ({"input_ids": b, "labels": b} for b in batches), precision, loss_fn, len(batches),
+                   tracker=tracker)
     finally:
         if hooks is not None:
             hooks.remove()
@@ -135,20 +165,6 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, batches:
             optimizer.zero_grad(set_to_none=True)
     if tracker is not None:
         tracker.phase("idle")
-
-
-def _micro_batches(model: nn.Module, batches: Sequence[torch.Tensor], precision: str, tracker: StepTracker | None,
-                   loss_fn: LossPolicy, n: int) -> None:
-    for m, batch in enumerate(batches):
-        if tracker is not None:
-            tracker.reset_mod_stats()  # MemTracker needs this between calls of the root module
-            tracker.phase("fwd", f"m{m}.")
-        with autocast_context(batch.device, precision):
-            loss = loss_fn(model, {"input_ids": batch, "labels": batch}) / n
-        if tracker is not None:
-            tracker.phase("bwd", f"m{m}.")
-        loss.backward()
-        del loss
 
 
 def op_cost_model(profile: DeviceProfile) -> Callable[[Any, tuple, dict, Any], float]:

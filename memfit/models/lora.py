@@ -204,15 +204,16 @@ def merged_from_state(model: nn.Module, lora_cfg: Any, state: dict[str, Any],
 
 
 def adapted_from_state(model: nn.Module, lora_cfg: Any, state: dict[str, Any],
-                       where: str = "training checkpoint") -> nn.Module:
+                       where: str = "training checkpoint", quantize: str | None = None) -> nn.Module:
     """As merged_from_state, before the merge: the peft model (its adapter can be saved alone), or with a full
-    fine-tune's state the plain model."""
+    fine-tune's state the plain model. `quantize`: the base's quantization as trained (the plan's), else
+    lora.quantize."""
     if not is_lora_state(state):
         model.load_state_dict(state, strict=True)
         return model
     from memfit.models.quantization import quantization_for
 
-    policy = quantization_for(lora_cfg.quantize, "fp32")
+    policy = quantization_for(lora_cfg.quantize if quantize is None else quantize, "fp32")
     if policy is not None:
         model = policy.round_trip(model)
     model = apply_lora(model, lora_cfg)

@@ -99,6 +99,30 @@ def config_from_checkpoint(loaded: LoadedCheckpoint, uri: str, overrides: list[s
     return from_dict(data, source=source + (" + --set " + " ".join(overrides) if overrides else ""))
 
 
+def checkpoint_plan(loaded: LoadedCheckpoint) -> Any:
+    """The PlanReport the checkpoint's run trained with (state.json "plan"), or None for one written before plans
+    were saved (its config.yaml holds the planned settings)."""
+    from memfit.reports import PlanReport
+
+    saved = loaded.state.get("plan")
+    if saved is None:
+        return None
+    try:
+        return PlanReport.model_validate(saved)
+    except ValueError as err:
+        raise CheckpointError(f"training checkpoint {loaded.info.uri}: its saved plan does not read "
+                              f"({str(err).splitlines()[0]})") from None
+
+
+def trained_quantize(lora_cfg: Any, loaded: LoadedCheckpoint) -> str:
+    """The frozen base's quantization the run trained its adapters on: its plan's, else its saved config's
+    (`lora_cfg`, the checkpoint's lora section)."""
+    plan = checkpoint_plan(loaded)
+    if plan is None:
+        return lora_cfg.quantize
+    return plan.quantize if plan.lora else "none"
+
+
 def model_for_checkpoint(cfg: Any, work_dir: Path) -> tuple[Any, Any]:
     """(model, tokenizer) of the architecture the checkpoint was trained on (a preset is rebuilt in work_dir)."""
     from memfit.data.formats import data_digest, load_texts
@@ -201,7 +225,9 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
         try:
             from memfit.models.lora import adapted_from_state, merge_lora
 
-            model = adapted_from_state(model, cfg.lora, loaded.model_state, f"training checkpoint {loaded.info.uri}")
+            quantize = trained_quantize(cfg.lora, loaded)
+            model = adapted_from_state(model, cfg.lora, loaded.model_state, f"training checkpoint {loaded.info.uri}",
+                                       quantize)
         except RuntimeError as err:
             raise CheckpointError(f"training checkpoint {loaded.info.uri} does not fit the model of its own "
                                   f"config.yaml ({str(err).splitlines()[0]})") from None
@@ -209,7 +235,7 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
             from memfit.release.adapter import ADAPTER_DIR, write_adapter
 
             adapter_dir = write_adapter(model, tokenizer, Path(out_dir) / ADAPTER_DIR, cfg.model.name_or_path,
-                                        cfg.lora.quantize)
+                                        quantize)
         model = merge_lora(model)
         metadata = {"source_checkpoint": loaded.info.uri, "step": loaded.step,
                     "mlflow_run_id": loaded.state.get("mlflow_run_id"),
@@ -229,7 +255,7 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
         if adapter:  # base + adapter through peft against the merged model, before anything is uploaded
             from memfit.release.adapter import verify_adapter
 
-            verified = verify_adapter(adapter_dir, model, cfg.model.name_or_path, cfg.lora.quantize,
+            verified = verify_adapter(adapter_dir, model, cfg.model.name_or_path, quantize,
                                       parity_criteria(cfg.export)).to_dict()
             files.adapter_dir = verified["dir"]
     if files.onnx_error:

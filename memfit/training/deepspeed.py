@@ -46,13 +46,13 @@ class DeepSpeedStrategy(TorchDistributed):
         self.name, self.plan, self.cfg = plan.strategy, plan, cfg
         self.autocast_precision = "fp32"  # DeepSpeed casts the module itself (bf16 / fp16 sections)
 
-    def prepare(self, model: nn.Module, t: TrainConfig, m: Any = None) -> None:
+    def prepare(self, model: nn.Module, t: TrainConfig, plan: Any = None) -> None:
         from memfit.distributed.ds_config import config_for, import_deepspeed
         from memfit.distributed.strategies import check_same_weights
         from memfit.models.loading import find_decoder_blocks
 
-        if self.cfg.memory.optimizer not in ("auto", "adamw"):
-            raise ConfigError(f"memory.optimizer: {self.cfg.memory.optimizer} with {self.name}: the DeepSpeed engine "
+        if self.plan.optimizer not in ("auto", "adamw"):
+            raise ConfigError(f"memory.optimizer: {self.plan.optimizer} with {self.name}: the DeepSpeed engine "
                               "steps its own AdamW (CPU offload: distributed.offload_optimizer); set it to auto")
         self.in_backward = None
 
@@ -72,10 +72,12 @@ class DeepSpeedStrategy(TorchDistributed):
     def monitored(self) -> tuple[nn.Module, Any]:
         return self.model.module, self.optimizer
 
-    def backward(self, loss: torch.Tensor, accum: int) -> torch.Tensor:
+    divides_loss = False  # the engine scales by 1 / gradient_accumulation_steps itself
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
         self.model.backward(loss)  # scaled by 1 / gradient_accumulation_steps inside
         self.model.step()  # optimizer, scheduler and zero_grad run at the accumulation boundary
-        return loss.detach().float() / accum
+        return loss.detach().float() / self.ds_config["gradient_accumulation_steps"]
 
     def optimizer_step(self, max_grad_norm: float | None) -> float:
         norm = self.model.get_global_grad_norm()  # the engine stepped at the boundary; clipping is in its config

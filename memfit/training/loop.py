@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,9 @@ from memfit.data.pairs import with_rejected_side
 from memfit.data.prepare import DataBundle
 from memfit.memory.monitor import MemoryMonitor
 from memfit.memory.probe import autocast_context
+from memfit.memory.step import train_step
 from memfit.models import experts
-from memfit.reports import TrainReport
+from memfit.reports import PlanReport, TrainReport
 from memfit.runtime.env import keep_heap
 from memfit.tracking.base import Tracker
 from memfit.training.compile import CompileClock
@@ -103,13 +105,15 @@ class Trainer:
     when to save is the checkpointer's (checkpoints/writer.py `due`); the rest is here, once.
     """
 
-    def __init__(self, cfg: MemfitConfig, model: nn.Module, data: DataBundle, device: torch.device,
-                 tracker: Tracker, checkpoints: Any, identity: dict[str, Any], strategy: SingleProcess | None = None
-                 ) -> None:
-        self.cfg, self.data, self.device = cfg, data, device
+    def __init__(self, cfg: MemfitConfig, plan: PlanReport, model: nn.Module, data: DataBundle,
+                 device: torch.device, tracker: Tracker, checkpoints: Any, identity: dict[str, Any],
+                 strategy: SingleProcess | None = None) -> None:
+        # The config for what was asked (steps, schedule, data, saves); the plan for what was decided (precision,
+        # micro-batch and accumulation, loss, optimizer): training checkpoints save both.
+        self.cfg, self.plan, self.data, self.device = cfg, plan, data, device
         self.tracker, self.checkpoints, self.identity = tracker, checkpoints, identity
-        self.strategy = strategy or SingleProcess(device, cfg.train.precision)
-        self.strategy.prepare(model, cfg.train, cfg.memory)
+        self.strategy = strategy or SingleProcess(device, plan.precision)
+        self.strategy.prepare(model, cfg.train, plan)
         s = self.strategy
         self.model, self.optimizer, self.scheduler, self.scaler = s.model, s.optimizer, s.scheduler, s.scaler
         t = cfg.train
@@ -120,7 +124,7 @@ class Trainer:
         self.monitor = MemoryMonitor.for_run(cfg, device, tracker, *s.monitored())
         # train.objective: sft is the loss policy; dpo takes its reference here, before the first step (objective.py).
         self.loss: LossPolicy = make_objective(cfg, self.model, data, device, s.autocast_precision,
-                                               getattr(checkpoints, "store", None), s.eval_model())
+                                               getattr(checkpoints, "store", None), s.eval_model(), plan)
         self.attn_implementation = attention_implementation(model)
         self.trained_tokens_seen = 0
         # Trained tokens per training row, counted once here: a step adds up Python ints (no tensor read per step).
@@ -133,10 +137,10 @@ class Trainer:
         self._cut_to_longest = "attention_mask" in data.train_fields  # blocks_batch cuts such batches
         # One padded example a row: micro-batches of similar lengths, so cutting to the longest leaves little padding.
         grouped = self._cut_to_longest and cfg.data.group_by_length
-        self.order = BatchOrder(len(data.train), t.micro_batch_size, t.seed, self._row_real if grouped else None)
+        self.order = BatchOrder(len(data.train), plan.micro_batch_size, t.seed, self._row_real if grouped else None)
         self.flatten = flattened(cfg.data, "position_ids" in data.train_fields, self.attn_implementation)
         self.step_counts = (0, 0, 0)  # the last step's (real, trained, computed) tokens on this rank
-        self.flops = cuda_flops(self.model, device, data.train.shape[1], cfg.train.precision)
+        self.flops = cuda_flops(self.model, device, data.train.shape[1], plan.precision)
         self.compile_clock = CompileClock(cfg.train.compile)
         seed_everything(t.seed + s.seed_offset())
 
@@ -146,7 +150,7 @@ class Trainer:
         return {"tokens_seen": self.tokens_seen, "data_order": self.order.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
                 "rng": rng_json, "initial_val_loss": self.initial_val_loss, "mlflow_run_id": self.tracker.run_id,
-                "identity": self.identity}
+                "identity": self.identity, "plan": self.plan.model_dump(mode="json")}
 
     # What a training checkpoint holds of the model: all weights; with adapters (LoRA) only the trainable
     # ones (the frozen base, 16-bit or 4-bit, comes from model.name_or_path or the preset).
@@ -179,7 +183,7 @@ class Trainer:
         # Every rank evaluates the same batches (FSDP2 forwards are collective); the result is identical.
         # dpo: the held-out pairs' loss, rewards and accuracies logged as val_* (objective.py)
         with getattr(self.loss, "measuring", lambda *_: contextlib.nullcontext())(self.tracker, self.step):
-            return evaluate_loss(self.strategy.eval_model(), self.data.val, self.cfg.train.micro_batch_size,
+            return evaluate_loss(self.strategy.eval_model(), self.data.val, self.plan.micro_batch_size,
                                  self.device, self.strategy.autocast_precision,
                                  max_batches or self.cfg.train.eval_batches, self.loss, self.data.val_fields,
                                  self.attn_implementation)
@@ -194,31 +198,33 @@ class Trainer:
     # -- training -----------------------------------------------------------------------------------------
     def optimizer_step(self) -> tuple[torch.Tensor, torch.Tensor | float]:
         """One optimizer step over grad_accum_steps micro-batches; (this rank's loss, global grad norm)."""
-        t, s = self.cfg.train, self.strategy
-        loss_sum = torch.zeros((), device=self.device)
-        real = trained = slots = 0
-        for k in range(t.grad_accum_steps):
+        p, s = self.plan, self.strategy
+        counts = [0, 0, 0]  # this step's real, trained and computed tokens on this rank
+        loss_sum = train_step(self.model, self._batches(counts), s.autocast_precision, self.loss, p.grad_accum_steps,
+                              backward=s.backward, micro_batch=s.micro_batch, divide=s.divides_loss,
+                              total=torch.zeros((), device=self.device))
+        self.tokens_seen += p.micro_batch_size * p.grad_accum_steps * self.data.train.shape[1]
+        self.step_counts = (counts[0], counts[1], counts[2])
+        grad_norm = s.optimizer_step(self.cfg.train.max_grad_norm)
+        self.step += 1
+        return loss_sum, grad_norm
+
+    def _batches(self, counts: list[int]) -> Iterator[Batch]:
+        """This rank's micro-batches of the next step, drawn as the step asks for them, their tokens counted."""
+        p = self.plan
+        for _ in range(p.grad_accum_steps):
             # The same global order on every rank; each takes its slice of the micro-batch.
-            idx = s.shard(self.order.next_indices(), t.micro_batch_size)
+            idx = self.strategy.shard(self.order.next_indices(), p.micro_batch_size)
             rows = [int(i) for i in idx]
             lengths = [self._row_real[i] for i in rows]
             row_trained = sum(self._row_trained[i] for i in rows)
-            real += sum(lengths)
-            trained += row_trained
-            slots += (sum(lengths) if self.flatten else
-                      len(rows) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1]))
+            counts[0] += sum(lengths)
+            counts[1] += row_trained
+            counts[2] += (sum(lengths) if self.flatten else
+                          len(rows) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1]))
             self.trained_tokens_seen += row_trained
-            batch = blocks_batch(self.data.train, idx, self.device, self.data.train_fields, self.attn_implementation,
-                                 lengths if self.flatten else None)
-            with s.micro_batch(last=k == t.grad_accum_steps - 1):
-                with autocast_context(self.device, s.autocast_precision):
-                    loss = self.loss(self.model, batch)
-                loss_sum += s.backward(loss, t.grad_accum_steps)
-        self.tokens_seen += t.micro_batch_size * t.grad_accum_steps * self.data.train.shape[1]
-        self.step_counts = (real, trained, slots)
-        grad_norm = s.optimizer_step(t.max_grad_norm)
-        self.step += 1
-        return loss_sum, grad_norm
+            yield blocks_batch(self.data.train, idx, self.device, self.data.train_fields, self.attn_implementation,
+                               lengths if self.flatten else None)
 
     def save(self, blocking: bool, force: bool = False, deadline: float | None = None, busy: bool | None = None
              ) -> None:

@@ -308,11 +308,13 @@ class AutoLoss:
         return self.chosen(model, batch)
 
 
-def make_loss(cfg: Any | None = None) -> LossPolicy:
-    """The run's loss policy (the one place a loss is chosen): memory.loss, plain without a config."""
+def make_loss(cfg: Any | None = None, loss: str | None = None) -> LossPolicy:
+    """The run's loss policy (the one place a loss is built): `loss` as planned (the plan's), else memory.loss;
+    plain without a config."""
     if cfg is None:
         return PlainLoss()
     m = cfg.memory
-    if m.loss == "auto":
+    name = loss or m.loss
+    if name == "auto":
         return AutoLoss(m.loss_chunk_tokens, cfg.distributed.world_size)
-    return loss_by_name(m.loss, m.loss_chunk_tokens, cfg.distributed.world_size)
+    return loss_by_name(name, m.loss_chunk_tokens, cfg.distributed.world_size)

@@ -271,20 +271,23 @@ def make_reference(setting: str, loss_type: str, model: nn.Module, coverage: flo
 
 def make_objective(cfg: Any | None = None, model: nn.Module | None = None, data: Any = None,
                    device: torch.device | None = None, precision: str = "fp32", store: Any = None,
-                   inner: nn.Module | None = None) -> LossPolicy:
+                   inner: nn.Module | None = None, plan: Any = None) -> LossPolicy:
     """The run's objective (the one place it is chosen): train.objective sft is the loss policy (memory.loss);
     dpo is a DpoObjective over `model`'s reference, taken here before the first step (the copy, or with
     precompute the log-probs stored beside `data`, and kept in the training-checkpoint `store`). `inner`: the
-    policy without its DDP wrapper, which the reference is taken from and run as."""
+    policy without its DDP wrapper, which the reference is taken from and run as. `plan`: the loss, micro-batch
+    and accumulation as planned (the PlanReport)."""
     if cfg is None or cfg.train.objective == "sft":
-        return make_loss(cfg)
+        return make_loss(cfg, plan.loss if plan is not None else None)
     d, t = cfg.dpo, cfg.train
     covered = None
     if data is not None and len(data.train):
         from memfit.memory.preference import coverage
 
         # Pairs a step over all ranks: each rank takes its share of every micro-batch (Trainer.train_step).
-        covered = coverage(t.max_steps, t.micro_batch_size * t.grad_accum_steps, len(data.train))
+        micro, accum = (plan.micro_batch_size, plan.grad_accum_steps) if plan is not None else \
+            (t.micro_batch_size, t.grad_accum_steps)
+        covered = coverage(t.max_steps, micro * accum, len(data.train))
     model = inner if inner is not None else model
     reference = make_reference(d.reference, d.loss_type, model, covered) if model is not None else Reference()
     if d.reference == "auto" and model is not None and d.loss_type != "simpo":
@@ -292,5 +295,6 @@ def make_objective(cfg: Any | None = None, model: nn.Module | None = None, data:
                  "precompute from one full pass up)", reference.name, len(data.train) if data is not None else "?",
                  f"{covered:.2f}" if covered is not None else "an unknown number of")
     if reference.name == "precompute" and model is not None and data is not None:
-        precompute_reference(model, data, t.micro_batch_size, device or torch.device("cpu"), precision, store)
+        precompute_reference(model, data, plan.micro_batch_size if plan is not None else t.micro_batch_size,
+                             device or torch.device("cpu"), precision, store)
     return DpoObjective(d.beta, d.loss_type, d.label_smoothing, d.simpo_gamma, reference)

@@ -21,9 +21,10 @@ from memfit.checkpoints.format import (
 from memfit.checkpoints.manager import CheckpointManager
 from memfit.checkpoints.reader import read_checkpoint_folder
 from memfit.checkpoints.sharded import ShardedCheckpointer, dcp_shards, load_into
-from memfit.config import MemoryConfig, TrainConfig
+from memfit.config import TrainConfig
 from memfit.errors import CheckpointError, ConfigError
 from memfit.models import experts
+from memfit.reports import PlanReport
 from memfit.training import optim
 from memfit.training.schedule import capture_rng
 
@@ -60,22 +61,22 @@ class SingleProcess:
         return self.rank == 0
 
     # -- set-up ----------------------------------------------------------------------------------------
-    def prepare(self, model: nn.Module, t: TrainConfig, m: MemoryConfig | None = None) -> None:
-        """Place (and wrap) the model; the optimizer, schedule and loss scaler over what the ranks hold."""
-        m = m or MemoryConfig()
-        if t.precision == "bf16-true":
+    def prepare(self, model: nn.Module, t: TrainConfig, plan: PlanReport) -> None:
+        """Place (and wrap) the model; the optimizer, schedule and loss scaler over what the ranks hold: precision,
+        AdamW variant and stepping in backward as the plan decided them."""
+        if plan.precision == "bf16-true":
             model.to(torch.bfloat16)
         experts.apply(model, "train", self.device.type)  # MoE only: what this device and dtype can run
         self.model = self._wrap(model)
-        self.optimizer_kind = self._optimizer_kind(m.optimizer)
-        # memory.optimizer_in_backward (auto: off unless a plan turns it on); the config refused what it cannot do.
+        self.optimizer_kind = self._optimizer_kind(plan.optimizer)
+        # Stepping in backward as planned; the config refused what it cannot do.
         # With the CPU-offloaded AdamW torchao frees each gradient on the GPU instead (the step stays on the CPU).
-        in_backward = m.optimizer_in_backward is True
+        in_backward = plan.optimizer_in_backward
         offloaded = self.optimizer_kind == "adamw-cpu-offload"
         self.optimizer = optim.make_adamw(self.model, t.lr, t.weight_decay, kind=self.optimizer_kind,
                                           offload_gradients=in_backward and offloaded)
         self.scheduler = optim.make_scheduler(self.optimizer, t)
-        self.scaler = optim.make_scaler(self.device, t.precision)
+        self.scaler = optim.make_scaler(self.device, plan.precision)
         self.in_backward = optim.StepInBackward(self.optimizer) if in_backward and not offloaded else None
 
     def _optimizer_kind(self, setting: str) -> str:
@@ -109,9 +110,11 @@ class SingleProcess:
         """Around one micro-batch's forward and backward (DDP: no all-reduce but on the last)."""
         return nullcontext()
 
-    def backward(self, loss: torch.Tensor, accum: int) -> torch.Tensor:
-        """Backward of one micro-batch's mean loss; returns its share of the step's loss (detached)."""
-        loss = loss / accum
+    # The step (memory/step.py train_step) divides each micro-batch's loss by the accumulation steps first.
+    divides_loss = True
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of one micro-batch's share of the step's loss; returns that share (detached)."""
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss.detach().float()
 
@@ -174,11 +177,11 @@ class TorchDistributed(SingleProcess):
         # FSDP2 computes in bf16 through its mixed-precision policy; DDP autocasts like one process does.
         self.autocast_precision = "fp32" if name == "fsdp2" and precision == "bf16-mixed" else precision
 
-    def prepare(self, model: nn.Module, t: TrainConfig, m: MemoryConfig | None = None) -> None:
+    def prepare(self, model: nn.Module, t: TrainConfig, plan: PlanReport) -> None:
         from memfit.distributed.strategies import check_same_weights
 
         check_same_weights(model, self.info)  # what every rank loaded, before any cast
-        super().prepare(model, t, m)
+        super().prepare(model, t, plan)
 
     def _optimizer_kind(self, setting: str) -> str:
         # DDP replicas step plain tensors (any variant); FSDP2 steps DTensor shards, which only torch's

@@ -11,6 +11,7 @@ import torch
 from memfit import config
 from memfit.checkpoints import CheckpointManager
 from memfit.data.prepare import DataBundle
+from memfit.run_context import configured_plan
 from memfit.runtime.env import _glibc
 from memfit.storage.local import LocalStore
 from memfit.training.loop import Trainer
@@ -52,7 +53,7 @@ def test_steps_after_the_first_take_no_page_faults(tmp_path):
     tracker = FaultsPerStep()
     manager = CheckpointManager(LocalStore(str(tmp_path / "ckpt")), staging_dir=tmp_path / "staging")
     try:
-        Trainer(cfg, model, data, torch.device("cpu"), tracker, manager, {}).fit()
+        Trainer(cfg, configured_plan(cfg), model, data, torch.device("cpu"), tracker, manager, {}).fit()
     finally:
         manager.close()
     faults = [tracker.at[s + 1] - tracker.at[s] for s in range(4, 14)]  # steps 5-14: the heap has its peak

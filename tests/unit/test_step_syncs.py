@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memfit import config
 from memfit.checkpoints import CheckpointManager
 from memfit.data.prepare import DataBundle
+from memfit.run_context import configured_plan
 from memfit.storage.local import LocalStore
 from memfit.training.loop import Trainer
 
@@ -65,7 +66,7 @@ def _trainer(tmp_path, log_every: int) -> tuple[Trainer, Recorder]:
                       n_val_tokens=8 * 16, source="unit")
     tracker = Recorder()
     manager = CheckpointManager(LocalStore(str(tmp_path / "ckpt")), staging_dir=tmp_path / "staging")
-    return Trainer(cfg, model, data, torch.device("cpu"), tracker, manager, {}), tracker
+    return Trainer(cfg, configured_plan(cfg), model, data, torch.device("cpu"), tracker, manager, {}), tracker
 
 
 def test_steps_that_do_not_log_read_no_loss_or_grad_norm(tmp_path):
