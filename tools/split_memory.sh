@@ -15,9 +15,9 @@ declare -A GROUP=(
   [tracker]=estimator [timeline]=estimator [breakdown]=estimator [charts]=estimator [step]=estimator
   [probe]=estimator [estimate]=estimator [compose]=estimator [preference]=estimator [evaluation]=estimator
   [search]=planner [candidates]=planner [plan]=planner [plan_cache]=planner [limits]=planner
-  [sharding]=planner [monitor]=planner
+  [sharding]=planner [monitor]=planner [replan]=planner [pair_length]=planner
 )
-FROM_TRAINING=(loss optim schedule)  # the loss and optimizer variants (and the LR schedule optim steps)
+FROM_TRAINING=(loss optim schedule fused_loss offload_optim)  # the loss and optimizer variants (and the LR schedule optim steps)
 declare -A DOC=(
   [techniques]="What is applied to a model or a step: checkpointing, offload, lean layers, loss and optimizer variants."
   [estimator]="Measuring and estimating a step's memory: tracker, the step on real or fake tensors, composition, timelines."
@@ -47,7 +47,7 @@ for m in "${!GROUP[@]}"; do
          -e "s#from memfit\\.memory import $m\$#from memfit.memory.$g import $m#"
          -e "s#(^|[^/[:alnum:]_.])memory/$m\\.py#\\1$g/$m.py#g")  # a comment's memory/x.py: short, lines keep their width
 done
-t='(loss|optim|schedule)'
+t='(loss|optim|schedule|fused_loss|offload_optim)'
 for m in "${FROM_TRAINING[@]}"; do
   expr+=(-e "s#memfit\\.training\\.$m\\b#memfit.memory.techniques.$m#g"
          -e "s#memfit/training/$m\\.py#memfit/memory/techniques/$m.py#g"
