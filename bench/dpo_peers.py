@@ -73,7 +73,7 @@ def memfit_batch(inputs: dict) -> dict:
 def measure(model, fn, *a) -> tuple[float, int, float]:
     """(seconds, peak tensor bytes, loss) of one forward + backward: timed bare, then again under the tracker for
     the peak (its per-op bookkeeping would distort the time)."""
-    from memfit.memory.tracker import StepTracker, total
+    from memfit.memory.estimator.tracker import StepTracker, total
 
     start = time.perf_counter()
     loss = fn(*a)

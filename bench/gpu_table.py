@@ -242,7 +242,7 @@ def run(out: Path, dry: bool, deadline_s: float, doc: Path | None) -> Path:
     import torch
 
     from memfit.config.devices import profile_for_report
-    from memfit.training.optim import flops_per_token
+    from memfit.memory.techniques.optim import flops_per_token
 
     t0 = time.time()
     out.mkdir(parents=True, exist_ok=True)

@@ -39,8 +39,7 @@ def install_spies() -> list[str]:
     """Record, in the returned list, which technique's own code a run goes through: "hook" (the optimizer step in
     backward), "chunked" (the chunked loss), "lean" (a lean-layer MLP), and the optimizer made ("fused" or its
     class name). Patches memfit's modules in this process for good: for a child that ends with its run."""
-    from memfit.memory import lean_layers
-    from memfit.training import loss, optim
+    from memfit.memory.techniques import lean_layers, loss, optim
 
     used: list[str] = []
     step, call, make, mlp = (optim.StepInBackward._step, loss.ChunkedLoss.__call__, optim.make_adamw,

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memfit import config  # noqa: E402
-from memfit.memory.search import estimate_report  # noqa: E402
+from memfit.memory.planner.search import estimate_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30

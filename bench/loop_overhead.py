@@ -81,7 +81,7 @@ def _config(root: Path, variant: str, steps: int):
 def _adamw(model, cfg, fused: bool):
     import torch
 
-    from memfit.training.optim import ADAMW_BETAS, param_groups
+    from memfit.memory.techniques.optim import ADAMW_BETAS, param_groups
 
     return torch.optim.AdamW(param_groups(model, cfg.train.weight_decay), lr=cfg.train.lr, betas=ADAMW_BETAS,
                              fused=fused or None)
@@ -111,8 +111,8 @@ def run_bare(cfg, variant: str, fused: bool, turns: Turns) -> dict:
     import torch
 
     from memfit.data.order import BatchOrder
-    from memfit.training.optim import make_scheduler
-    from memfit.training.schedule import seed_everything
+    from memfit.memory.techniques.optim import make_scheduler
+    from memfit.memory.techniques.schedule import seed_everything
 
     model, data = _inputs(cfg)
     t = cfg.train
@@ -159,7 +159,7 @@ def run_hf(cfg, variant: str, fused: bool, turns: Turns) -> dict:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from memfit.training.optim import make_scheduler
+    from memfit.memory.techniques.optim import make_scheduler
 
     model, data = _inputs(cfg)
     t = cfg.train
@@ -203,8 +203,8 @@ def run_memfit(cfg, variant: str, fused: bool, turns: Turns) -> dict:
         own_process = {}
     import torch
 
-    from memfit.memory.monitor import MemoryMonitor
-    from memfit.memory.timeline import LiveBytes
+    from memfit.memory.estimator.timeline import LiveBytes
+    from memfit.memory.planner.monitor import MemoryMonitor
     from memfit.run_context import checkpoint_manager, run_identity
     from memfit.tracking import make_tracker
     from memfit.training import loop, strategies

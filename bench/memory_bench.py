@@ -38,12 +38,12 @@ from technique_rows import technique_rows  # noqa: E402
 
 from memfit.config import MemoryConfig  # noqa: E402
 from memfit.config.devices import PROFILES, profile_for_report  # noqa: E402
-from memfit.memory.compose import Estimate, Stack  # noqa: E402
-from memfit.memory.estimate import Estimator  # noqa: E402
-from memfit.memory.plan import assignments, choose, describe  # noqa: E402
-from memfit.memory.policies import EveryKCheckpointing, assign_blocks, find_blocks  # noqa: E402
-from memfit.memory.step import init_optimizer_state, make_optimizer, run_step  # noqa: E402
-from memfit.memory.tracker import StepTracker  # noqa: E402
+from memfit.memory.estimator.compose import Estimate, Stack  # noqa: E402
+from memfit.memory.estimator.estimate import Estimator  # noqa: E402
+from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step  # noqa: E402
+from memfit.memory.estimator.tracker import StepTracker  # noqa: E402
+from memfit.memory.planner.plan import assignments, choose, describe  # noqa: E402
+from memfit.memory.techniques.policies import EveryKCheckpointing, assign_blocks, find_blocks  # noqa: E402
 
 SAVE_OPS = tuple(MemoryConfig().selective_save_ops)
 MB = 1e6

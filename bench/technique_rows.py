@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from memfit.memory.compose import Stack
-from memfit.memory.estimate import Estimator
-from memfit.memory.lean_layers import apply_lean_layers
-from memfit.memory.policies import assign_blocks, find_blocks
-from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
-from memfit.memory.tracker import StepTracker
-from memfit.training.loss import loss_by_name
+from memfit.memory.estimator.compose import Stack
+from memfit.memory.estimator.estimate import Estimator
+from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step
+from memfit.memory.estimator.tracker import StepTracker
+from memfit.memory.techniques.lean_layers import apply_lean_layers
+from memfit.memory.techniques.loss import loss_by_name
+from memfit.memory.techniques.policies import assign_blocks, find_blocks
 
 MB = 1e6
 # name -> what differs from the plain stack; adamw-cpu-offload needs CUDA and joins the rows there.

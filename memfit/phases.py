@@ -16,12 +16,12 @@ from memfit.checkpoints import CheckpointIndex
 from memfit.config import MemfitConfig
 from memfit.data.cache import cached_data
 from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryBudgetError, MemoryLimitError, Preempted
-from memfit.memory.plan import plan_table_markdown
-from memfit.memory.plan_cache import cache_path, load_plan, plan_key, store_plan
-from memfit.memory.policies import make_policy
-from memfit.memory.probe import explain_oom, measure_step, verdict, weights_to_device
-from memfit.memory.replan import plan_at_resume
-from memfit.memory.search import estimate_policy, plan_for, resolve_budget, target_profile
+from memfit.memory.estimator.probe import explain_oom, measure_step, verdict, weights_to_device
+from memfit.memory.planner.plan import plan_table_markdown
+from memfit.memory.planner.plan_cache import cache_path, load_plan, plan_key, store_plan
+from memfit.memory.planner.replan import plan_at_resume
+from memfit.memory.planner.search import estimate_policy, plan_for, resolve_budget, target_profile
+from memfit.memory.techniques.policies import make_policy
 from memfit.preflight import preflight
 from memfit.reports import AttemptReport, ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
 from memfit.run_context import (
@@ -96,7 +96,7 @@ def check_environment_and_probe(cfg: MemfitConfig) -> ProbeReport:
 def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport, resume: ResumePoint | None = None) -> PlanReport:
     """Choose the optimisation stack with the memory planner (or estimate a fixed memory.policy); the same
     config, device, architecture and code as a run before in this work folder reuse its plan, and a `resume` on
-    the same target its training checkpoint's (memory/replan.py). With recovery.on_memory_limit leaner, the
+    the same target its training checkpoint's (planner/replan.py). With recovery.on_memory_limit leaner, the
     stacks this run was stopped at the memory limit with are ruled out."""
     device = probe_report.environment["device"]
     if cfg.memory.policy == "offload" and device["type"] != "cuda":
@@ -147,8 +147,8 @@ def _plan(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: in
         raise ConfigError(f"train.precision={chosen.stack.precision}: {device['name']} has no bf16; use fp16-mixed")
     policy = plan_policy(cfg, chosen.policy, chosen.every_k, chosen.kinds)
     row = plan.row(chosen)
-    from memfit.memory.estimate import model_config_for
-    from memfit.memory.evaluation import plan_evaluation
+    from memfit.memory.estimator.estimate import model_config_for
+    from memfit.memory.estimator.evaluation import plan_evaluation
 
     evaluation = plan_evaluation(_hf_config(probe_report.architecture) or model_config_for(cfg), chosen.n_params, cfg,
                                  plan.limit_bytes, device.get("name") or device["type"], profile.kind, profile.bf16)

@@ -106,8 +106,8 @@ def _profile_stack(cfg: MemfitConfig, base_model: torch.nn.Module, data: Any, de
                    plan: Any, steps: int, out: Path, trace: bool, cuda_history: bool
                    ) -> tuple[dict[str, Any], dict[str, str]]:
     from memfit import run_context
-    from memfit.memory.breakdown import summarize
-    from memfit.memory.timeline import StepTimeline
+    from memfit.memory.estimator.breakdown import summarize
+    from memfit.memory.estimator.timeline import StepTimeline
     from memfit.tracking.null import NullTracker
     from memfit.training.loop import Trainer
 
@@ -195,7 +195,7 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 def _write_outputs(out: Path, workload: dict[str, Any], summaries: dict[str, dict[str, Any]],
                    subtitle: str) -> dict[str, str]:
-    from memfit.memory.charts import plot_compare, plot_timeline
+    from memfit.memory.estimator.charts import plot_compare, plot_timeline
 
     files: dict[str, str] = {}
     for name, s in summaries.items():
@@ -218,7 +218,7 @@ def _write_outputs(out: Path, workload: dict[str, Any], summaries: dict[str, dic
 
 
 def _section(name: str, s: dict[str, Any]) -> str:
-    from memfit.memory.breakdown import markdown
+    from memfit.memory.estimator.breakdown import markdown
 
     return markdown(name, f"{s['description']}; {s['step_seconds']:.3f} s per step (median, untracked).", s)
 

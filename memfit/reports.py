@@ -78,7 +78,7 @@ class PlanReport(_Report):
     strategy: str = Field("single", description="How ranks divide the work: single, ddp, fsdp2, deepspeed_zero2/3.")
     world_size: int = Field(1, description="Training processes in all (distributed.nproc_per_node x nnodes).")
     sharding: dict[str, Any] | None = Field(None, description="Estimated bytes per rank under the strategy "
-                                            "(memfit/memory/sharding.py per_rank_bytes).")
+                                            "(memfit/memory/planner/sharding.py per_rank_bytes).")
     reused_from_step: int | None = Field(None, description="Reused from the training checkpoint of this step, "
                                          "without planning (a resume on the same target).")
     changes: str | None = Field(None, description="A re-plan at resume: why it planned again and what differs "
@@ -120,7 +120,7 @@ class TrainReport(_Report):
                                      "stop_at_fraction), when it did; the caller raises MemoryLimitError.")
     memory_limit_reading: dict[str, Any] | None = Field(
         None, description="The reading that stopped it (step, peak_bytes, budget_bytes, budget_source, measure): "
-        "recorded against the planned stack so a restart plans a leaner one (memfit/memory/limits.py).")
+        "recorded against the planned stack so a restart plans a leaner one (memfit/memory/planner/limits.py).")
 
 
 class ExportReport(_Report):

@@ -18,9 +18,9 @@ import memfit
 from memfit.checkpoints import CheckpointManager
 from memfit.config import MemfitConfig
 from memfit.data.prepare import DataBundle
-from memfit.memory import limits
-from memfit.memory.plan import MeasuredPeak
-from memfit.memory.policies import apply_policy, make_policy
+from memfit.memory.planner import limits
+from memfit.memory.planner.plan import MeasuredPeak
+from memfit.memory.techniques.policies import apply_policy, make_policy
 from memfit.models.loading import check_seq_len, load_model_and_tokenizer
 from memfit.reports import PlanReport, ProbeReport
 from memfit.runtime.recovery import run_key
@@ -164,7 +164,7 @@ def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanRe
 
         model = prepare_lora_model(model, cfg.lora, plan.precision, quantize=plan.quantize, seed=cfg.train.seed)
     if plan.lean_layers:
-        from memfit.memory.lean_layers import apply_lean_layers
+        from memfit.memory.techniques.lean_layers import apply_lean_layers
 
         log.info("memory.lean_layers: %s", apply_lean_layers(model))
     kinds = plan.block_kinds if plan.policy == "mixed" else None
@@ -267,7 +267,7 @@ def packing_alternatives(cfg: MemfitConfig, device: str | None = None) -> tuple[
     device (--device, else memory.device, else this machine). A hub model needs only its config and tokenizer."""
     from memfit.data.cache import resolve_auto_packing
     from memfit.data.templates import use_configured_template
-    from memfit.memory.estimate import model_config_for
+    from memfit.memory.estimator.estimate import model_config_for
     from memfit.models.loading import load_tokenizer
 
     if cfg.train.objective == "dpo":  # preference pairs: one padded pair a row, nothing to weigh

@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from memfit import phases
 from memfit.config import MemfitConfig
-from memfit.memory.monitor import event_sink
+from memfit.memory.planner.monitor import event_sink
 from memfit.reports import AttemptReport, PlanReport, ProbeReport, ResumePoint, TrainReport
 from tasks.slots import training_slot
 

@@ -26,7 +26,7 @@ def estimate(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = 
     try:
         cfg = load(config, set_)
         with collector_paused(freeze=PROCESS.own):
-            from memfit.memory.search import estimate_report
+            from memfit.memory.planner.search import estimate_report
 
         if policy is not None and policy not in ("auto", "none", "full", "every_k", "selective", "offload"):
             raise ConfigError(f"--policy: unknown policy {policy!r}; choose one of auto, none, full, every_k, "
@@ -37,7 +37,7 @@ def estimate(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = 
     if as_json:
         typer.echo(json.dumps(out, sort_keys=True))
         return
-    from memfit.memory.breakdown import estimate_text
+    from memfit.memory.estimator.breakdown import estimate_text
 
     typer.echo(estimate_text(out))
 
@@ -45,7 +45,7 @@ def estimate(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = 
 def _max_seq(config: Any, set_: Any, device: str | None, budget_gb: float | None, as_json: bool) -> None:
     try:
         with collector_paused(freeze=PROCESS.own):
-            from memfit.memory.search import max_seq_report
+            from memfit.memory.planner.search import max_seq_report
 
         out = max_seq_report(load(config, set_), device, budget_gb)
     except MemfitError as err:
@@ -79,14 +79,14 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
     try:
         cfg = load(config, set_)
         with collector_paused(freeze=PROCESS.own):
-            from memfit.memory.plan import plan_table_markdown
-            from memfit.memory.search import plan_report
+            from memfit.memory.planner.plan import plan_table_markdown
+            from memfit.memory.planner.search import plan_report
             from memfit.run_context import measured_peaks_for
 
         # Stacks this run was stopped at the memory limit with (recovery.on_memory_limit leaner) are out.
         result, out = plan_report(cfg, device, budget_gb, measured=measured_peaks_for(cfg))
         if cfg.distributed.world_size > 1:
-            from memfit.memory.search import per_gpu_report
+            from memfit.memory.planner.search import per_gpu_report
 
             out["distributed"] = per_gpu_report(cfg, device, budget_gb)
         if cfg.data.packing == "auto":  # the layouts weighed, like the stacks: predicted time per trained token
@@ -106,7 +106,7 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
         if "packing" in out:
             typer.echo(format_layouts(out["packing"], out["packing_candidates"]))
         if "distributed" in out and "strategies" in out["distributed"]:
-            from memfit.memory.sharding import per_gpu_text
+            from memfit.memory.planner.sharding import per_gpu_text
 
             typer.echo(per_gpu_text(out["distributed"]))
     # Several ranks: what must fit is one GPU's share under the strategy, not a single-process replica.

@@ -7,7 +7,7 @@ from typing import Any
 
 from memfit.config import MemfitConfig
 from memfit.errors import ConfigError
-from memfit.memory.sharding import choose_strategy, human, per_rank_bytes, training_state_bytes
+from memfit.memory.planner.sharding import choose_strategy, human, per_rank_bytes, training_state_bytes
 from memfit.reports import PlanReport, ProbeReport
 
 log = logging.getLogger("memfit.distributed")

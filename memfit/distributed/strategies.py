@@ -103,7 +103,7 @@ def wrap_ddp(model: nn.Module, info: RankInfo) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     model.to(info.device)
-    # Gradients as views into the all-reduce buckets: no second copy of the gradients (see memory/sharding.py).
+    # Gradients as views into the all-reduce buckets: no second copy of the gradients (see planner/sharding.py).
     return DistributedDataParallel(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
                                    gradient_as_bucket_view=True)
 
@@ -111,7 +111,7 @@ def wrap_ddp(model: nn.Module, info: RankInfo) -> nn.Module:
 def wrap_fsdp2(model: nn.Module, info: RankInfo, precision: str) -> nn.Module:
     """fully_shard each decoder block, then the root (embeddings, final norm, head).
 
-    The gradient-checkpointing policy must already be applied (memfit/memory/policies.py apply_policy):
+    The gradient-checkpointing policy must already be applied (memfit/memory/techniques/policies.py apply_policy):
     transformers checkpoints each block's forward, inside FSDP2's hooks, so a recompute does not all-gather
     twice. Mixed bf16 runs compute in bf16 with fp32 gradient reduction and fp32 sharded master weights.
     """

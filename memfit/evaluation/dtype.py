@@ -16,7 +16,7 @@ TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def phase5_dtype(cfg: Any, device: torch.device, model: nn.Module) -> str:
     """eval.dtype resolved on this device now: auto compares phase 5's predicted fp32 peak with the free memory
     (CUDA only; on CPU auto is fp32) and says why it leaves fp32."""
-    from memfit.memory.evaluation import evaluation_memory, resolve_eval_dtype
+    from memfit.memory.estimator.evaluation import evaluation_memory, resolve_eval_dtype
 
     setting = cfg.eval.dtype
     if setting == "auto" and device.type != "cuda":

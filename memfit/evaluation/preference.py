@@ -15,7 +15,7 @@ def preference_scores(model: torch.nn.Module, rows: torch.Tensor, fields: dict[s
     """The model alone ranks each held-out pair by mean log-prob per completion token, as the DPO objective's
     val_preference_accuracy does (no reference: the champion and the challenger are scored alike, whatever their
     reference was). accuracy (with its standard error), margin (chosen minus rejected, nats a token), pairs."""
-    from memfit.training.loss import blocks_batch
+    from memfit.memory.techniques.loss import blocks_batch
     from memfit.training.objective import policy_logps
 
     was_training = model.training

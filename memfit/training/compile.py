@@ -16,7 +16,7 @@ def compile_blocks(model: nn.Module, block_class: str | None = None) -> int:
     and reused by its alike siblings, so start-up stays near one block's compile whatever the depth; the state
     dict keys are unchanged (training checkpoints and exports read the same names). Returns the blocks compiled.
     Shapes that vary (padded batches cut to their longest row) recompile once, then run with dynamic shapes."""
-    from memfit.memory.policies import find_blocks
+    from memfit.memory.techniques.policies import find_blocks
 
     blocks = find_blocks(model, block_class)
     for block in blocks:

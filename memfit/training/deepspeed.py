@@ -22,8 +22,8 @@ from memfit.checkpoints.format import (
 )
 from memfit.config import TrainConfig
 from memfit.errors import CheckpointError, ConfigError
-from memfit.training.optim import lr_schedule, param_groups
-from memfit.training.schedule import capture_rng
+from memfit.memory.techniques.optim import lr_schedule, param_groups
+from memfit.memory.techniques.schedule import capture_rng
 from memfit.training.strategies import RNG, TorchDistributed
 
 _TAG = "ds"  # DeepSpeed writes <staging>/<tag>/...; the files are uploaded flat

@@ -23,18 +23,18 @@ from memfit.data.order import BatchOrder
 from memfit.data.packing import flattened, row_real_tokens
 from memfit.data.pairs import with_rejected_side
 from memfit.data.prepare import DataBundle
-from memfit.memory.monitor import MemoryMonitor
-from memfit.memory.probe import autocast_context
-from memfit.memory.step import train_step
+from memfit.memory.estimator.probe import autocast_context
+from memfit.memory.estimator.step import train_step
+from memfit.memory.planner.monitor import MemoryMonitor
+from memfit.memory.techniques.loss import Batch, LossPolicy, blocks_batch, make_loss, trained_tokens
+from memfit.memory.techniques.optim import cuda_flops, memory_now, step_metrics
+from memfit.memory.techniques.schedule import restore_rng, seed_everything
 from memfit.models import experts
 from memfit.reports import PlanReport, TrainReport
 from memfit.runtime.env import keep_heap
 from memfit.tracking.base import Tracker
 from memfit.training.compile import CompileClock
-from memfit.training.loss import Batch, LossPolicy, blocks_batch, make_loss, trained_tokens
 from memfit.training.objective import make_objective
-from memfit.training.optim import cuda_flops, memory_now, step_metrics
-from memfit.training.schedule import restore_rng, seed_everything
 from memfit.training.strategies import Agreement, SingleProcess
 
 log = logging.getLogger("memfit.train")

@@ -15,7 +15,7 @@ from torch import nn
 
 from memfit.data.pairs import REJECTED
 from memfit.errors import ConfigError
-from memfit.training.loss import Batch, LossPolicy, blocks_batch, make_loss
+from memfit.memory.techniques.loss import Batch, LossPolicy, blocks_batch, make_loss
 
 log = logging.getLogger("memfit.train")
 # A preference batch: the chosen side under the usual names (input_ids, labels, attention_mask), the rejected side
@@ -214,7 +214,7 @@ def precompute_reference(model: nn.Module, data: Any, batch_size: int, device: t
     model's (the reference's) summed log-probs stored beside the pairs as ref_* fields, so no reference model is
     held while training and the batches carry them in the data order. With the training-checkpoint `store` the
     values are kept there too, keyed by the pairs and the starting weights: a restarted run reads them back."""
-    from memfit.memory.probe import autocast_context
+    from memfit.memory.estimator.probe import autocast_context
     from memfit.training import reference_cache
 
     key = reference_cache.cache_key(model, data, batch_size, precision) if store is not None else None
@@ -243,10 +243,10 @@ def precompute_reference(model: nn.Module, data: Any, batch_size: int, device: t
 
 
 def make_reference(setting: str, loss_type: str, model: nn.Module, coverage: float | None = None) -> Reference:
-    """dpo.reference resolved on the model by memory/preference.py's rule (auto: precompute when the run goes over
+    """dpo.reference resolved on the model by estimator/preference.py's rule (auto: precompute when the run goes over
     its pairs at least once, else adapter_off for a peft model, else copy); simpo needs none. `model` is the
     unwrapped module (DDP's inner one); an FSDP2-sharded model is not copied: auto precomputes instead."""
-    from memfit.memory.preference import reference_mode
+    from memfit.memory.estimator.preference import reference_mode
 
     mode = reference_mode(setting, loss_type, hasattr(model, "disable_adapter"), coverage)
     sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
@@ -282,7 +282,7 @@ def make_objective(cfg: Any | None = None, model: nn.Module | None = None, data:
     d, t = cfg.dpo, cfg.train
     covered = None
     if data is not None and len(data.train):
-        from memfit.memory.preference import coverage
+        from memfit.memory.estimator.preference import coverage
 
         # Pairs a step over all ranks: each rank takes its share of every micro-batch (Trainer.train_step).
         micro, accum = (plan.micro_batch_size, plan.grad_accum_steps) if plan is not None else \

@@ -23,10 +23,10 @@ from memfit.checkpoints.reader import read_checkpoint_folder
 from memfit.checkpoints.sharded import ShardedCheckpointer, dcp_shards, load_into
 from memfit.config import TrainConfig
 from memfit.errors import CheckpointError, ConfigError
+from memfit.memory.techniques import optim
+from memfit.memory.techniques.schedule import capture_rng
 from memfit.models import experts
 from memfit.reports import PlanReport
-from memfit.training import optim
-from memfit.training.schedule import capture_rng
 
 RNG = tuple[dict[str, Any], dict[str, Any]]  # (JSON-able python/numpy states, torch tensors)
 
@@ -110,7 +110,7 @@ class SingleProcess:
         """Around one micro-batch's forward and backward (DDP: no all-reduce but on the last)."""
         return nullcontext()
 
-    # The step (memory/step.py train_step) divides each micro-batch's loss by the accumulation steps first.
+    # The step (estimator/step.py train_step) divides each micro-batch's loss by the accumulation steps first.
     divides_loss = True
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ def test_a_real_cuda_oom_is_a_verdict_with_the_estimators_breakdown(tiny_config)
 
 
 def test_offload_gives_the_loss_and_gradients_of_none(tiny_config):
-    from memfit.memory.policies import make_policy
+    from memfit.memory.techniques.policies import make_policy
 
     cfg = tiny_config(**{"train.device": "cuda"})
     model = run_context.load_inputs(cfg).model.cuda()

@@ -12,11 +12,11 @@ import torch
 from memory_support import VOCAB, tiny
 
 from memfit.config.devices import PROFILES
-from memfit.memory.compose import Stack
-from memfit.memory.estimate import Estimator
-from memfit.memory.policies import find_blocks
-from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
-from memfit.memory.tracker import StepTracker
+from memfit.memory.estimator.compose import Stack
+from memfit.memory.estimator.estimate import Estimator
+from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step
+from memfit.memory.estimator.tracker import StepTracker
+from memfit.memory.techniques.policies import find_blocks
 from memfit.training.objective import DpoObjective, FrozenCopy, Precomputed
 
 pytestmark = pytest.mark.integration
@@ -69,8 +69,8 @@ def test_dpo_estimate_is_within_two_percent_of_the_measured_step(mode):
 
 def test_plan_for_an_8b_dpo_lora_run_on_24_gb_fits_and_names_the_reference():
     from memfit import config
-    from memfit.memory.plan import plan_table_markdown
-    from memfit.memory.search import plan_report
+    from memfit.memory.planner.plan import plan_table_markdown
+    from memfit.memory.planner.search import plan_report
 
     cfg = config.load(REPO / "configs" / "llama-3-8b-dpo-lora.yaml", [])
     assert cfg.train.objective == "dpo" and cfg.train.micro_batch_size == 1 and cfg.data.seq_len == 1024
@@ -87,8 +87,8 @@ def test_dpo_is_planned_for_the_datas_longest_pair_when_the_data_is_known(tmp_pa
     from memfit import config
     from memfit.data.formats import data_digest, load_texts
     from memfit.data.pairs import encode_pairs
-    from memfit.memory import pair_length
-    from memfit.memory.search import make_estimator
+    from memfit.memory.planner import pair_length
+    from memfit.memory.planner.search import make_estimator
     from memfit.models.loading import load_model_and_tokenizer
 
     sets = [f"run.work_dir={tmp_path / 'work'}", "data.seq_len=512", "data.synthetic_docs=200"]

@@ -11,11 +11,11 @@ from memory_support import SAVE_OPS, VOCAB, tiny
 
 from memfit import config
 from memfit.config.devices import PROFILES, get_profile
-from memfit.memory.compose import Stack
-from memfit.memory.estimate import Estimator, trace_whole_step
-from memfit.memory.policies import assign_blocks, find_blocks, mixed_kinds
-from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
-from memfit.memory.tracker import StepTracker
+from memfit.memory.estimator.compose import Stack
+from memfit.memory.estimator.estimate import Estimator, trace_whole_step
+from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step
+from memfit.memory.estimator.tracker import StepTracker
+from memfit.memory.techniques.policies import assign_blocks, find_blocks, mixed_kinds
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ def test_offload_estimate_parks_block_inputs_on_the_host():
 def test_llama3_8b_from_config_json_alone(tmp_path):
     """Full fine-tuning of Llama-3-8B in bf16-mixed needs > 80 GB for weights + grads + AdamW; LoRA with full
     checkpointing at batch 4 x 2048 fits an 80 GB device. Nothing is allocated: config.json is all there is."""
-    from memfit.memory.search import estimate_report
+    from memfit.memory.planner.search import estimate_report
 
     folder = tmp_path / "llama-3-8b"
     folder.mkdir()
@@ -116,7 +116,7 @@ def test_lora_estimate_matches_the_measured_step_with_a_16_bit_or_4_bit_base(qua
     """The frozen base in bf16 (or NF4) and the adapters in fp32, as prepare_lora_model builds the training
     model (with or without the lean layers): the estimate on fake tensors equals the tracker's measurement of
     the real step."""
-    from memfit.memory.lean_layers import apply_lean_layers
+    from memfit.memory.techniques.lean_layers import apply_lean_layers
     from memfit.models.lora import prepare_lora_model
 
     if quantize == "nf4":

@@ -12,7 +12,7 @@ from family_support import FAMILIES, MOE, family_folder
 from tests_support import tiny_overrides
 
 from memfit import config, phases
-from memfit.memory.compose import Stack
+from memfit.memory.estimator.compose import Stack
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ def test_family_estimates_trains_exports_and_passes_parity(tmp_path_factory, tmp
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from memfit.config.devices import PROFILES
-    from memfit.memory.estimate import Estimator
+    from memfit.memory.estimator.estimate import Estimator
 
     folder = family_folder(tmp_path_factory.getbasetemp() / "families", family)
     hf_config = AutoConfig.from_pretrained(folder)

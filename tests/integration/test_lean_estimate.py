@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from memfit.config.devices import PROFILES
-from memfit.memory.compose import Stack
-from memfit.memory.estimate import Estimator
-from memfit.memory.lean_layers import apply_lean_layers
-from memfit.memory.policies import assign_blocks, find_blocks
-from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
-from memfit.memory.tracker import StepTracker
-from memfit.training.loss import loss_by_name
+from memfit.memory.estimator.compose import Stack
+from memfit.memory.estimator.estimate import Estimator
+from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step
+from memfit.memory.estimator.tracker import StepTracker
+from memfit.memory.techniques.lean_layers import apply_lean_layers
+from memfit.memory.techniques.loss import loss_by_name
+from memfit.memory.techniques.policies import assign_blocks, find_blocks
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def test_saving_measured_on_real_tensors_equals_the_estimate(technique, estimato
     if technique == "adamw-8bit":
         pytest.importorskip("bitsandbytes")
     if technique == "fused loss":  # a CPU target resolves fused to the next best: kept, as for a CUDA target
-        from memfit.training import loss
+        from memfit.memory.techniques import loss
 
         monkeypatch.setattr(loss, "resolve_loss", lambda setting, *args, **kwargs: setting)
     kinds = ["full"] * 3
@@ -107,7 +107,7 @@ def test_llama3_8b_full_fine_tune_with_the_leanest_optimizer_fits_24_gib(tmp_pat
     """Issue #14's must-show: batch 2 x 2048, full checkpointing, bf16 weights, no LoRA, AdamW state and step on
     the CPU, each gradient leaving the GPU as soon as it is accumulated: at most 24 GiB on the GPU."""
     from memfit import config
-    from memfit.memory.search import estimate_report
+    from memfit.memory.planner.search import estimate_report
 
     folder = tmp_path / "llama-3-8b"
     folder.mkdir()
@@ -132,8 +132,8 @@ def test_llama3_8b_lora_and_qlora_fit_the_anchors_figures(tmp_path):
 
     from memfit import config
     from memfit.config.devices import get_profile
-    from memfit.memory.candidates import configured_stack
-    from memfit.memory.search import make_estimator
+    from memfit.memory.planner.candidates import configured_stack
+    from memfit.memory.planner.search import make_estimator
 
     folder = tmp_path / "llama-3-8b"
     folder.mkdir()

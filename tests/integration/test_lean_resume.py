@@ -143,7 +143,7 @@ def _model(device: str) -> nn.Module:
 
 
 def _optimizer(model: nn.Module, kind: str, in_backward: bool) -> tuple[torch.optim.Optimizer, object]:
-    from memfit.training import optim
+    from memfit.memory.techniques import optim
 
     opt = optim.make_adamw(model, 1e-2, 0.1, kind=kind)
     return opt, optim.StepInBackward(opt) if in_backward else None

@@ -11,13 +11,13 @@ import torch
 from memory_support import VOCAB, tiny
 
 from memfit.config.devices import PROFILES
-from memfit.memory.compose import Stack
-from memfit.memory.estimate import Estimator
-from memfit.memory.policies import find_blocks
-from memfit.memory.search import explicit_mask
-from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
-from memfit.memory.tracker import StepTracker
-from memfit.training.loss import PlainLoss, blocks_batch
+from memfit.memory.estimator.compose import Stack
+from memfit.memory.estimator.estimate import Estimator
+from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step
+from memfit.memory.estimator.tracker import StepTracker
+from memfit.memory.planner.search import explicit_mask
+from memfit.memory.techniques.loss import PlainLoss, blocks_batch
+from memfit.memory.techniques.policies import find_blocks
 
 pytestmark = pytest.mark.integration
 SEQ, ROWS = 64, 4

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from memfit import phases
-from memfit.memory import plan_cache
+from memfit.memory.planner import plan_cache
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ def test_the_same_run_reuses_its_plan_and_a_change_plans_again(tiny_config, coun
     roomy = phases.plan_stack(tiny_config(**{"memory.budget_gb": budget_gb * 100}), probe)
     assert len(counted) == 2 and roomy.policy == "none"
     # An edit to memfit's code (or a library upgrade) is another key too.
-    from memfit.memory.search import resolve_budget, target_profile
+    from memfit.memory.planner.search import resolve_budget, target_profile
 
     profile = target_profile(cfg.memory, probe.environment["device"])
     args = (cfg, profile, *resolve_budget(cfg.memory, profile, probe.environment["device"]), probe.architecture)

@@ -95,7 +95,7 @@ def test_the_memory_tracker_loads_without_the_rest_of_torchs_tools_package():
     """memfit needs MemTracker and ModTracker from torch.distributed._tools; the package's __init__ also imports
     the runtime estimator and with it torch._inductor (≈ 1.3 s before every run's first step). The package,
     imported later, is still the real one, with the classes memfit already holds."""
-    check = ("import sys; import memfit.memory.tracker as tr, memfit.memory.timeline; "
+    check = ("import sys; import memfit.memory.estimator.tracker as tr, memfit.memory.estimator.timeline; "
              "assert 'torch._inductor' not in sys.modules, 'torch._inductor was imported'; "
              "import torch.distributed._tools as tools; "
              "assert tools.MemTracker is tr.MemTracker and hasattr(tools, 'FSDPMemTracker'); print('ok')")

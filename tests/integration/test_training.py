@@ -50,7 +50,7 @@ def test_probe_measures_bf16_true_with_bf16_weights_and_reports_weights_that_do_
     bf16 = phases.check_environment_and_probe(tiny_config(**{"train.precision": "bf16-true"})).baseline["breakdown"]
     assert bf16["params"] * 2 == fp32["params"]  # the step the trainer runs: pure bf16 weights
     # Weights too big for the device: an OOM verdict naming them (and the estimator's breakdown), no step run.
-    from memfit.memory.probe import StepMemory
+    from memfit.memory.estimator.probe import StepMemory
 
     oom = StepMemory(peak_bytes=0, oom=True, method="cuda.max_memory_allocated",
                      error="the weights alone do not fit on cuda: CUDA out of memory. Tried to allocate 16.00 GiB")

@@ -18,7 +18,7 @@ from memfit.data.prepare import prepare_data
 from memfit.data.synthetic import synthetic_prompt_completions, write_jsonl, write_parquet
 from memfit.data.templates import BUILTIN_TEMPLATES
 from memfit.errors import DataError
-from memfit.training.loss import blocks_batch
+from memfit.memory.techniques.loss import blocks_batch
 
 pytestmark = pytest.mark.unit
 

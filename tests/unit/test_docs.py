@@ -294,7 +294,7 @@ def test_layout_check_flags_missing_extra_and_twice_listed_modules():
     assert "README.md Layout: lists memfit/memory/ 2 times" in problems
     assert "README.md Layout: top-level folder flows/ is not listed" in problems
     assert "README.md Layout: tasks/nothing.py does not exist" in problems
-    assert not any(s in p for p in problems for s in ("memfit/errors.py", "memfit/memory/probe.py",
+    assert not any(s in p for p in problems for s in ("memfit/errors.py", "memfit/memory/estimator/probe.py",
                                                               "tasks/train.py"))
 
 

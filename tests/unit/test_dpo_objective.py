@@ -75,7 +75,7 @@ def test_an_evaluation_logs_val_metrics_and_leaves_the_training_sums_alone():
 
 
 def test_an_evaluation_returns_the_chosen_next_token_loss_as_phase_5_does():
-    from memfit.training.loss import PlainLoss
+    from memfit.memory.techniques.loss import PlainLoss
 
     model = _model()
     objective, batch = DpoObjective(reference=FrozenCopy(model)), _batch()

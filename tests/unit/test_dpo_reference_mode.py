@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.memory.preference import coverage, reference_mode
+from memfit.memory.estimator.preference import coverage, reference_mode
 
 pytestmark = pytest.mark.unit
 

@@ -7,8 +7,8 @@ import torch
 from memory_support import tiny
 
 from memfit import config
-from memfit.memory.step import autocast_context
-from memfit.memory.tracker import StepTracker
+from memfit.memory.estimator.step import autocast_context
+from memfit.memory.estimator.tracker import StepTracker
 from memfit.models.lora import prepare_lora_model
 
 pytestmark = pytest.mark.unit

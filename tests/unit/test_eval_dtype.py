@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from memfit import config
 from memfit.evaluation.dtype import device_twin
-from memfit.memory.evaluation import evaluation_memory, plan_evaluation, resolve_eval_dtype
+from memfit.memory.estimator.evaluation import evaluation_memory, plan_evaluation, resolve_eval_dtype
 
 pytestmark = pytest.mark.unit
 LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

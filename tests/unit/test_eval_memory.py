@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from memfit import config
-from memfit.memory.evaluation import evaluation_line, evaluation_memory
+from memfit.memory.estimator.evaluation import evaluation_line, evaluation_memory
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_each_pass_grows_with_what_drives_it():
 
 def test_the_val_loss_pass_is_an_upper_bound_of_a_measured_forward():
     """The val_loss figure of a tiny Llama against what its no-grad forward and loss allocate (tracked)."""
-    from memfit.memory.tracker import StepTracker, total
+    from memfit.memory.estimator.tracker import StepTracker, total
 
     hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=384)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memfit.memory.techniques.loss import PlainLoss
 from memfit.models import experts
-from memfit.training.loss import PlainLoss
 
 pytestmark = pytest.mark.unit
 

@@ -11,9 +11,9 @@ from memory_support import tiny
 
 from memfit import config
 from memfit.errors import ConfigError
-from memfit.training import fused_loss
-from memfit.training.fused_loss import fused_unavailable, liger_chunk_rows
-from memfit.training.loss import FusedLoss, PlainLoss, loss_by_name, make_loss, resolve_loss
+from memfit.memory.techniques import fused_loss
+from memfit.memory.techniques.fused_loss import fused_unavailable, liger_chunk_rows
+from memfit.memory.techniques.loss import FusedLoss, PlainLoss, loss_by_name, make_loss, resolve_loss
 
 
 def test_the_chunk_is_sized_as_liger_sizes_it():
@@ -45,7 +45,7 @@ def test_the_twin_gives_plain_cross_entropys_loss_and_gradients(masked):
 
 def test_fused_off_cuda_says_why_in_one_line_and_runs_the_next_best(caplog):
     loss = FusedLoss()
-    with caplog.at_level(logging.WARNING, logger="memfit.training.loss"):
+    with caplog.at_level(logging.WARNING, logger="memfit.memory.techniques.loss"):
         first, grads = _loss_and_grads(loss)
         _loss_and_grads(loss)  # said once, not every step
     lines = [r.getMessage() for r in caplog.records]

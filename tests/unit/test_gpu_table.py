@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import gpu_table  # noqa: E402
 
-from memfit.training.optim import flops_per_token  # noqa: E402
+from memfit.memory.techniques.optim import flops_per_token  # noqa: E402
 
 GIB = 2**30
 

@@ -122,8 +122,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("inputs", ("memfit.models", "memfit.data")),
     # A step's recipe (loss, optimizer, schedule) lives in training/ but sits under memory/: the estimator traces
     # the same step the loop runs.
-    ("step recipe", ("memfit.training.loss", "memfit.training.fused_loss", "memfit.training.optim",
-                     "memfit.training.offload_optim", "memfit.training.schedule")),
+    ("step recipe", ("memfit.memory.techniques.loss", "memfit.memory.techniques.fused_loss", "memfit.memory.techniques.optim",
+                     "memfit.memory.techniques.offload_optim", "memfit.memory.techniques.schedule")),
     ("memory and state", ("memfit.memory", "memfit.checkpoints")),
     ("training", ("memfit.training", "memfit.distributed")),
     ("phase 5", ("memfit.evaluation", "memfit.release", "memfit.server")),

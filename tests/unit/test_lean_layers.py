@@ -8,7 +8,7 @@ import pytest
 import torch
 from memory_support import tiny
 
-from memfit.memory.lean_layers import apply_lean_layers
+from memfit.memory.techniques.lean_layers import apply_lean_layers
 
 pytestmark = pytest.mark.unit
 
@@ -65,7 +65,7 @@ def test_bf16_gradients_are_as_close_to_fp32_as_the_models_own():
 
 def test_under_gradient_checkpointing_and_lora_the_gradients_are_the_same():
     from memfit.config import LoraConfig
-    from memfit.memory.policies import make_policy
+    from memfit.memory.techniques.policies import make_policy
     from memfit.models.lora import prepare_lora_model
 
     model = prepare_lora_model(tiny("llama", layers=2), LoraConfig(enabled=True, r=4), "fp32", seed=0)

@@ -8,7 +8,7 @@ from memory_support import tiny
 
 from memfit import config
 from memfit.errors import ConfigError
-from memfit.training.loss import ChunkedLoss, PlainLoss, make_loss, resolve_loss
+from memfit.memory.techniques.loss import ChunkedLoss, PlainLoss, make_loss, resolve_loss
 
 pytestmark = pytest.mark.unit
 
@@ -71,8 +71,8 @@ def test_chunked_loss_backward_holds_one_fp32_chunk_of_logits():
     buffer at a time, where autograd through log_softmax holds the log-probabilities and two gradients."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
-    from memfit.memory.tracker import StepTracker
+    from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step
+    from memfit.memory.estimator.tracker import StepTracker
 
     vocab, chunk = 4096, 128
     torch.manual_seed(0)
@@ -121,7 +121,7 @@ def test_chunked_loss_with_several_ranks_is_refused():
 
 # -- optimizers ------------------------------------------------------------------------------------------------
 def _train_steps(kind: str, in_backward: bool, steps: int = 3):
-    from memfit.training.optim import StepInBackward, make_adamw
+    from memfit.memory.techniques.optim import StepInBackward, make_adamw
 
     model = tiny("llama", layers=2)
     opt = make_adamw(model, 1e-2, 0.01, kind=kind)
@@ -177,7 +177,7 @@ def test_optimizer_variants_train_and_keep_their_state_kind():
 
 
 def test_cpu_offload_optimizer_without_cuda_is_a_clear_error():
-    from memfit.training.optim import make_adamw, resolve_optimizer
+    from memfit.memory.techniques.optim import make_adamw, resolve_optimizer
 
     with pytest.raises(ConfigError, match=r"^memory.optimizer: adamw-cpu-offload .* CUDA"):
         make_adamw(tiny("llama", 1), 1e-3, 0.0, kind="adamw-cpu-offload")
@@ -206,8 +206,8 @@ def test_step_in_backward_refuses_what_needs_every_gradient_first(extra, named):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_offloaded_blocks_give_the_gradients_of_full_checkpointing_with_less_on_the_gpu(monkeypatch):
-    from memfit.memory import activation_offload
-    from memfit.memory.policies import apply_policy, make_policy
+    from memfit.memory.techniques import activation_offload
+    from memfit.memory.techniques.policies import apply_policy, make_policy
 
     def step(policy: str):
         model = tiny("llama", layers=4).cuda()
@@ -243,9 +243,9 @@ def test_chunked_loss_under_bf16_keeps_no_16_bit_copy_of_a_whole_chunk():
     backward peak stays near one fp32 chunk (a whole bf16 copy beside it would be 1.5 x)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from memfit.memory.step import init_optimizer_state, make_optimizer, run_step
-    from memfit.memory.tracker import StepTracker
-    from memfit.training.loss import SLICE_ROWS
+    from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step
+    from memfit.memory.estimator.tracker import StepTracker
+    from memfit.memory.techniques.loss import SLICE_ROWS
 
     vocab, chunk = 4096, 8 * SLICE_ROWS
     torch.manual_seed(0)

@@ -8,8 +8,8 @@ from memory_support import SAVE_OPS, VOCAB, tiny
 
 from memfit.config import LoraConfig, from_dict
 from memfit.errors import ConfigError
-from memfit.memory.policies import apply_policy, make_policy
-from memfit.memory.step import make_optimizer, run_step
+from memfit.memory.estimator.step import make_optimizer, run_step
+from memfit.memory.techniques.policies import apply_policy, make_policy
 from memfit.models.lora import apply_lora, is_lora_state, merge_lora
 
 pytestmark = pytest.mark.unit

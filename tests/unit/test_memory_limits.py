@@ -9,9 +9,9 @@ import pytest
 from test_plan import BASE, N, candidates, est, plan
 
 from memfit import config
-from memfit.memory import limits
-from memfit.memory.compose import Stack
-from memfit.memory.plan import MeasuredPeak, choose, measured_reason, plan_table_markdown
+from memfit.memory.estimator.compose import Stack
+from memfit.memory.planner import limits
+from memfit.memory.planner.plan import MeasuredPeak, choose, measured_reason, plan_table_markdown
 from memfit.reports import PlanReport
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from memfit.config import MonitorConfig
-from memfit.memory.monitor import (
+from memfit.memory.planner.monitor import (
     LIMIT_EVENT,
     WARNING_EVENT,
     Budget,
@@ -118,7 +118,7 @@ def test_budget_resolution_says_what_it_limits():
 
 
 def test_a_container_memory_limit_is_found(tmp_path):
-    from memfit.memory.monitor import _cgroup_limit
+    from memfit.memory.planner.monitor import _cgroup_limit
 
     assert _cgroup_limit(str(tmp_path)) is None
     (tmp_path / "memory.max").write_text("max\n")
@@ -138,7 +138,7 @@ def test_monitor_config_limits():
 
 def test_a_run_planned_for_another_device_is_watched_against_that_device():
     from memfit.config import load
-    from memfit.memory.search import target_profile
+    from memfit.memory.planner.search import target_profile
 
     cfg = load(None, ["memory.device=t4"])
     model = nn.Linear(4, 4)

@@ -8,7 +8,9 @@ from memory_support import SAVE_OPS, VOCAB, tiny
 from torch import nn
 
 from memfit.errors import ConfigError
-from memfit.memory.policies import (
+from memfit.memory.estimator.step import run_step
+from memfit.memory.estimator.tracker import StepTracker
+from memfit.memory.techniques.policies import (
     EveryKCheckpointing,
     apply_policy,
     find_blocks,
@@ -17,8 +19,6 @@ from memfit.memory.policies import (
     remove_checkpointing,
     spread,
 )
-from memfit.memory.step import run_step
-from memfit.memory.tracker import StepTracker
 
 pytestmark = pytest.mark.unit
 SEQ = 32
@@ -55,7 +55,7 @@ def test_every_policy_gives_the_loss_and_gradients_of_none(arch):
 
 def activation_bytes(model, kinds) -> int:
     """Activations alive at the end of the forward, from the tracker on real tensors."""
-    from memfit.memory.policies import assign_blocks
+    from memfit.memory.techniques.policies import assign_blocks
 
     assign_blocks(model, kinds, save_ops=SAVE_OPS)
     batch = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(2))
@@ -147,7 +147,7 @@ def test_offload_applies_before_the_move_to_the_gpu_but_never_runs_on_cpu(monkey
 
 
 def test_weights_that_do_not_fit_become_an_oom_reading(monkeypatch):
-    from memfit.memory.probe import weights_to_device
+    from memfit.memory.estimator.probe import weights_to_device
 
     class Huge(nn.Module):
         def to(self, *args, **kwargs):

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memfit.memory.breakdown import TOP_LEVEL, module_rows, summarize
-from memfit.memory.timeline import LiveBytes, StepTimeline
+from memfit.memory.estimator.breakdown import TOP_LEVEL, module_rows, summarize
+from memfit.memory.estimator.timeline import LiveBytes, StepTimeline
 
 pytestmark = pytest.mark.unit
 

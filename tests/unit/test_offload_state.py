@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from memfit.training.offload_optim import TorchStateLayout
-from memfit.training.optim import ADAMW_BETAS, param_groups
+from memfit.memory.techniques.offload_optim import TorchStateLayout
+from memfit.memory.techniques.optim import ADAMW_BETAS, param_groups
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import kill_child  # noqa: E402

@@ -7,8 +7,8 @@ import pytest
 from memfit import config
 from memfit.config.devices import PROFILES, get_profile
 from memfit.errors import ConfigError
-from memfit.memory.compose import Estimate, Stack, policy_name
-from memfit.memory.plan import assignments, choose, every_k_kinds
+from memfit.memory.estimator.compose import Estimate, Stack, policy_name
+from memfit.memory.planner.plan import assignments, choose, every_k_kinds
 
 pytestmark = pytest.mark.unit
 GB = 10**9
@@ -159,13 +159,13 @@ def test_a_4_bit_base_is_the_last_fallback_after_16_bit_lora():
     (False, "none", [(False, "none")]),
 ])
 def test_lora_fallbacks_follow_lora_enabled_and_quantize(enabled, quantize, expected):
-    from memfit.memory.search import lora_fallbacks
+    from memfit.memory.planner.search import lora_fallbacks
 
     assert lora_fallbacks(config.LoraConfig(enabled=enabled, quantize=quantize)) == expected
 
 
 def test_technique_choices_multiply_the_candidates_of_a_tier():
-    from memfit.memory.search import technique_variants
+    from memfit.memory.planner.search import technique_variants
 
     assert technique_variants(BASE, {}) == [BASE]
     got = technique_variants(BASE, {"loss": ("plain", "chunked"), "optimizer": ("adamw", "adamw-8bit")})
@@ -198,7 +198,7 @@ CURVES = {"linear": (lambda s: 100_000 * s, 4), "quadratic": (lambda s: 20_000 *
 
 @pytest.mark.parametrize("shape", CURVES)
 def test_max_seq_search_finds_the_longest_length_that_fits(shape):
-    from memfit.memory.search import longest_seq_len
+    from memfit.memory.planner.search import longest_seq_len
 
     curve, most_calls = CURVES[shape]
     fake = _CurveEstimator(GB, curve)
@@ -239,7 +239,7 @@ def test_nf4_bytes_equal_what_bitsandbytes_holds_for_a_layer():
 
 
 def test_only_auto_techniques_are_left_to_the_planner():
-    from memfit.memory.search import technique_choices
+    from memfit.memory.planner.search import technique_choices
 
     assert technique_choices(config.from_dict({"memory": {"loss": "plain"}})) == {}
     auto = technique_choices(config.from_dict({"memory": {"optimizer_in_backward": "auto"},
@@ -253,7 +253,7 @@ def test_only_auto_techniques_are_left_to_the_planner():
 
 
 def test_step_in_backward_only_without_accumulation_or_fp16_scaling():
-    from memfit.memory.search import technique_variants
+    from memfit.memory.planner.search import technique_variants
 
     choices = {"optimizer_in_backward": (False, True)}
     assert {s.optimizer_in_backward for s in technique_variants(BASE, choices)} == {False, True}
@@ -264,7 +264,7 @@ def test_step_in_backward_only_without_accumulation_or_fp16_scaling():
 def test_lean_optimizers_are_fallbacks_after_the_configured_one(monkeypatch):
     import importlib.util
 
-    from memfit.memory.search import candidate_tiers, optimizer_fallbacks
+    from memfit.memory.planner.search import candidate_tiers, optimizer_fallbacks
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "bitsandbytes" else real(n, *a))
@@ -282,7 +282,7 @@ def test_lean_optimizers_are_fallbacks_after_the_configured_one(monkeypatch):
 
 
 def test_plan_table_shows_loss_and_optimizer():
-    from memfit.memory.plan import plan_table_markdown
+    from memfit.memory.planner.plan import plan_table_markdown
 
     chunked = Stack("fp32", 8, 1, False, loss="chunked", optimizer="adamw-8bit")
     p = plan(candidates((BASE,)) + [est(["full"] * N, stack=chunked)], est(["none"] * N).peak_bytes)
@@ -292,7 +292,7 @@ def test_plan_table_shows_loss_and_optimizer():
 
 
 def test_max_seq_takes_the_leanest_per_token_stack_the_config_leaves_open():
-    from memfit.memory.search import longest_context_stack
+    from memfit.memory.planner.search import longest_context_stack
 
     planned = est(["none"] * 6 + ["full"] * 2)
     cuda, cpu = get_profile("t4", "x"), PROFILES["cpu"]

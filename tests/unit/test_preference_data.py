@@ -13,7 +13,7 @@ from memfit.data.prepare import prepare_data
 from memfit.data.synthetic import synthetic_preference_pairs, write_jsonl
 from memfit.data.templates import BUILTIN_TEMPLATES
 from memfit.errors import ConfigError, DataError
-from memfit.training.loss import blocks_batch
+from memfit.memory.techniques.loss import blocks_batch
 
 pytestmark = pytest.mark.unit
 PROMPT = [{"role": "user", "content": "go on from c."}]

@@ -1,4 +1,4 @@
-"""A resume's plan (memory/replan.py): reused when nothing it was made for changed, else planned again with the
+"""A resume's plan (planner/replan.py): reused when nothing it was made for changed, else planned again with the
 reason and the decided knobs that differ; the plan itself is frozen and JSON round-trips."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from test_memory_limits import stopped
 from test_plan import N, est
 
-from memfit.memory.replan import plan_at_resume, plan_changes, why_replan
+from memfit.memory.planner.replan import plan_at_resume, plan_changes, why_replan
 from memfit.reports import PlanReport, ResumePoint
 
 pytestmark = pytest.mark.unit

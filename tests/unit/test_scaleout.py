@@ -194,7 +194,7 @@ def test_outcome_reads_the_report_or_raises_the_first_rank_error(tmp_path):
 
 
 def test_planned_micro_batches_split_evenly_over_the_ranks():
-    from memfit.memory.search import _micro_batches
+    from memfit.memory.planner.search import _micro_batches
 
     one = _cfg("train.batch_size=16", "train.grad_accum_steps=1", "memory.allow_smaller_micro_batch=true")
     assert _micro_batches(one) == [16, 8, 4, 2, 1]

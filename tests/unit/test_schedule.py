@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from memfit.training.schedule import capture_rng, lr_factor, restore_rng
+from memfit.memory.techniques.schedule import capture_rng, lr_factor, restore_rng
 
 pytestmark = pytest.mark.unit
 
@@ -65,7 +65,7 @@ def test_cuda_rng_is_saved_for_this_device_and_old_per_gpu_lists_still_load(monk
 def test_a_skipped_fp16_step_does_not_advance_the_schedule():
     """GradScaler skips a step whose gradients overflowed; the LR schedule must not move on without it."""
     from memfit.config import TrainConfig
-    from memfit.training.optim import apply_gradients, make_adamw, make_scheduler
+    from memfit.memory.techniques.optim import apply_gradients, make_adamw, make_scheduler
 
     model = torch.nn.Linear(4, 1)
     t = TrainConfig(max_steps=10, warmup_steps=5, lr=1e-2)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from memfit.memory.sharding import choose_strategy, format_table, per_rank_bytes, training_state_bytes
+from memfit.memory.planner.sharding import choose_strategy, format_table, per_rank_bytes, training_state_bytes
 
 pytestmark = pytest.mark.unit
 GB = 1e9

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.memory.compose import StaticTrace, extrapolate_static
+from memfit.memory.estimator.compose import StaticTrace, extrapolate_static
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from memfit.data.packing import pack_blocks, pack_padded, pack_padding_free, row_real_tokens
-from memfit.training.optim import step_metrics
+from memfit.memory.techniques.optim import step_metrics
 
 pytestmark = pytest.mark.unit
 PAD = 0
@@ -66,7 +66,7 @@ def test_a_flattened_micro_batch_has_no_padding_and_the_same_loss_as_its_rows():
     loss over the same trained tokens equal to the per-row batch's (attention still kept within each example)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from memfit.training.loss import blocks_batch, make_loss
+    from memfit.memory.techniques.loss import blocks_batch, make_loss
 
     encoded = _examples(30, seed=2)
     rows, _ = pack_padding_free(encoded, seq_len=32, pad_id=PAD)
@@ -88,7 +88,7 @@ def test_a_flattened_micro_batch_has_no_padding_and_the_same_loss_as_its_rows():
 
 
 def test_flops_per_token_and_mfu_as_palm_and_torchtitan_count_them():
-    from memfit.training.optim import flops_per_token
+    from memfit.memory.techniques.optim import flops_per_token
 
     # Llama-3-8B at 2048 tokens: 6 x 8.03e9 for the weights + 12 x 32 layers x 4096 x 2048 for attention.
     per_token = flops_per_token(8_030_261_248, 32, 4096, 2048)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from memfit.memory.tracker import BREAKDOWN_KEYS, Segment, Vec, add, total
+from memfit.memory.estimator.tracker import BREAKDOWN_KEYS, Segment, Vec, add, total
 
 PROXY_BLOCKS = 3  # first, one interior, last: enough for any depth, since interior blocks are alike
 
@@ -23,7 +23,7 @@ class Stack:
     loss: str = "plain"  # memory.loss: plain | chunked
     optimizer: str = "adamw"  # memory.optimizer: adamw | adamw-fused | adamw-8bit | adamw-cpu-offload
     optimizer_in_backward: bool = False
-    lean_layers: bool = False  # memory.lean_layers: SwiGLU MLPs and RMSNorms saving less (memfit.memory.lean_layers)
+    lean_layers: bool = False  # memory.lean_layers: SwiGLU MLPs and RMSNorms saving less (memfit.memory.techniques.lean_layers)
 
     def label(self) -> str:
         extras = [x for x in (self.quantize.upper() if self.quantize != "none" else "",

@@ -16,7 +16,7 @@ from memfit.reports import PlanReport
 from memfit.runtime.env import package_version
 
 log = logging.getLogger("memfit.memory")
-_PACKAGE = Path(__file__).resolve().parents[1]  # memfit/
+_PACKAGE = Path(__file__).resolve().parents[2]  # memfit/
 # What the estimator traces on fake tensors besides memfit's own code: the model classes and the LoRA layers.
 _LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes")
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from memfit.config import TrainConfig
 from memfit.errors import ConfigError
-from memfit.training.schedule import lr_factor
+from memfit.memory.techniques.schedule import lr_factor
 
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -67,7 +67,7 @@ def make_adamw(model: nn.Module, lr: float, weight_decay: float, foreach: bool |
         except ImportError:
             raise ConfigError("memory.optimizer: adamw-cpu-offload needs torchao (pip install torchao), or choose "
                               "adamw-8bit") from None
-        from memfit.training.offload_optim import make_offloaded_adamw
+        from memfit.memory.techniques.offload_optim import make_offloaded_adamw
 
         return make_offloaded_adamw(groups, offload_gradients, **common)
     raise ConfigError(f"memory.optimizer: unknown optimizer {kind!r}; choose auto, {', '.join(OPTIMIZERS)}")

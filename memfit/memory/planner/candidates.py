@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from memfit.config.devices import DeviceProfile
-from memfit.memory.compose import Stack
+from memfit.memory.estimator.compose import Stack
 
 # Stack fields the planner varies within a tier (not fallbacks: the fastest that fits wins), each with the
 # values the estimator models; a field is varied only where its config value is `auto` (technique_choices).
@@ -59,7 +59,7 @@ def optimizer_fallbacks(cfg: Any, profile: DeviceProfile) -> list[str]:
     """memory.optimizer as set, or under auto the default one, then the leaner ones this target can run."""
     import importlib.util
 
-    from memfit.training.optim import resolve_optimizer
+    from memfit.memory.techniques.optim import resolve_optimizer
 
     if cfg.memory.optimizer != "auto":
         return [cfg.memory.optimizer]

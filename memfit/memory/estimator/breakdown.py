@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.memory.timeline import ACTIVATION_CATEGORIES, CATEGORIES, StepTimeline
+from memfit.memory.estimator.timeline import ACTIVATION_CATEGORIES, CATEGORIES, StepTimeline
 
 MB = 1e6
 TOP_LEVEL = "(top level)"

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemoryLimitError
-from memfit.memory.timeline import LiveBytes
+from memfit.memory.estimator.timeline import LiveBytes
 
 log = logging.getLogger("memfit.memory")
 
@@ -146,7 +146,7 @@ class MemoryMonitor:
         budget = resolve_budget(cfg.memory.budget_gb, device, cfg.monitor.track_tensors)
         if cfg.memory.budget_gb is None and cfg.memory.device:
             # Planned for another device (memory.device): watch against that device's usable memory too.
-            from memfit.memory.search import target_profile
+            from memfit.memory.planner.search import target_profile
 
             target = target_profile(cfg.memory)
             budget = Budget(int(target.usable_bytes), f"usable memory of a {target.name} (memory.device)",

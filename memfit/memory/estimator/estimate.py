@@ -14,11 +14,19 @@ import torch
 
 from memfit.config.devices import DeviceProfile
 from memfit.errors import ConfigError
-from memfit.memory.compose import PROXY_BLOCKS, Estimate, KindTrace, Stack, StaticTrace, compose, extrapolate_static
-from memfit.memory.policies import BLOCK_KINDS, OFFLOAD_EMULATION, assign_blocks, find_blocks
-from memfit.memory.step import host_bytes as optimizer_host_bytes
-from memfit.memory.step import init_optimizer_state, make_optimizer, op_cost_model, run_step
-from memfit.memory.tracker import Segment, StepTracker
+from memfit.memory.estimator.compose import (
+    PROXY_BLOCKS,
+    Estimate,
+    KindTrace,
+    Stack,
+    StaticTrace,
+    compose,
+    extrapolate_static,
+)
+from memfit.memory.estimator.step import host_bytes as optimizer_host_bytes
+from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, op_cost_model, run_step
+from memfit.memory.estimator.tracker import Segment, StepTracker
+from memfit.memory.techniques.policies import BLOCK_KINDS, OFFLOAD_EMULATION, assign_blocks, find_blocks
 from memfit.models.experts import traceable_experts
 from memfit.models.loading import forward_error
 
@@ -86,7 +94,7 @@ def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any, 
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # the trainer casts the adapters too
     if lean_layers:
-        from memfit.memory.lean_layers import apply_lean_layers
+        from memfit.memory.techniques.lean_layers import apply_lean_layers
 
         apply_lean_layers(model)
     _meta_to_fake(model, mode)
@@ -162,7 +170,7 @@ class Estimator:
 
     Each decoder-block kind (none, selective, full, offload) is traced on a proxy with at most three blocks;
     the full-depth model is built on fake tensors only for its weights and optimizer step. Any assignment of
-    kinds to blocks is then composed (memfit.memory.compose) without tracing again.
+    kinds to blocks is then composed (memfit.memory.estimator.compose) without tracing again.
     """
 
     def __init__(self, hf_config: Any, seq_len: int, profile: DeviceProfile, *, lora_cfg: Any | None = None,
@@ -300,8 +308,8 @@ class Estimator:
 
     def resolved(self, stack: Stack) -> Stack:
         """The stack with `auto` techniques as a run on this model and device resolves them."""
-        from memfit.training.loss import resolve_loss
-        from memfit.training.optim import resolve_optimizer
+        from memfit.memory.techniques.loss import resolve_loss
+        from memfit.memory.techniques.optim import resolve_optimizer
 
         vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
         return replace(stack, loss=resolve_loss(stack.loss, vocab, device_type=self.profile.kind),
@@ -369,7 +377,7 @@ class Estimator:
 
     # -- estimates ---------------------------------------------------------------------------------------
     def _loss(self, stack: Stack) -> Any:
-        from memfit.training.loss import loss_by_name
+        from memfit.memory.techniques.loss import loss_by_name
 
         loss = loss_by_name(stack.loss, self.loss_chunk_tokens, emulate=True)  # fused: Liger's twin, fake tensors
         return MaskedLoss(loss) if self.attention_mask else loss
@@ -382,7 +390,7 @@ class Estimator:
         estimate = compose(self.static(stack), traces, list(kinds), stack, method)
         if self.dpo is None:
             return estimate
-        from memfit.memory.preference import reference_mode, with_reference
+        from memfit.memory.estimator.preference import reference_mode, with_reference
 
         mode = reference_mode(self.dpo.reference, self.dpo.loss_type, stack.lora)
         vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from memfit.config.devices import DeviceProfile
-from memfit.memory.tracker import HOST, StepTracker, tensors_of
-from memfit.training.loss import Batch, LossPolicy, PlainLoss
-from memfit.training.optim import StepInBackward, make_adamw, param_groups
+from memfit.memory.estimator.tracker import HOST, StepTracker, tensors_of
+from memfit.memory.techniques.loss import Batch, LossPolicy, PlainLoss
+from memfit.memory.techniques.optim import StepInBackward, make_adamw, param_groups
 
 
 def autocast_context(device: torch.device, precision: str):

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.memory.compose import Estimate, Stack
-from memfit.memory.policies import mixed_kinds
+from memfit.memory.estimator.compose import Estimate, Stack
+from memfit.memory.techniques.policies import mixed_kinds
 
 GB = 1e9
 

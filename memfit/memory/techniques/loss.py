@@ -238,7 +238,7 @@ class FusedLoss:
         self.fallback: LossPolicy | None = None
 
     def __call__(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        from memfit.training.fused_loss import fused_head_loss, fused_unavailable
+        from memfit.memory.techniques.fused_loss import fused_head_loss, fused_unavailable
 
         if self.fallback is not None:
             return self.fallback(model, batch)
@@ -269,7 +269,7 @@ def next_best(vocab_size: int, world_size: int = 1) -> str:
 def resolve_loss(setting: str, vocab_size: int, world_size: int = 1, device_type: str = "cpu") -> str:
     """`memory.loss` as run on `device_type`: auto is chunked from CHUNKED_FROM_VOCAB entries on, in one process
     (fused instead on CUDA where liger-kernel is installed); fused off CUDA is the next best."""
-    from memfit.training.fused_loss import fused_unavailable
+    from memfit.memory.techniques.fused_loss import fused_unavailable
 
     if setting == "fused" and device_type != "cuda":
         return next_best(vocab_size, world_size)

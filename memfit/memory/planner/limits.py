@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit.files import write_json_atomic
-from memfit.memory.compose import Stack
-from memfit.memory.plan import MeasuredPeak
+from memfit.memory.estimator.compose import Stack
+from memfit.memory.planner.plan import MeasuredPeak
 
 log = logging.getLogger("memfit.memory")
 GB = 1e9

@@ -112,7 +112,7 @@ def _offload_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError(_OFFLOAD_NEEDS_CUDA)
     if not torch.is_grad_enabled():  # nothing is saved: no block to park (an empty one would linger until backward)
         return function(*args, **kwargs)
-    from memfit.memory.activation_offload import offloader
+    from memfit.memory.techniques.activation_offload import offloader
 
     with offloader().block():
         return checkpoint(function, *args, use_reentrant=False, **kwargs)

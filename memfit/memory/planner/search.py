@@ -10,7 +10,11 @@ from typing import Any
 
 from memfit.config.devices import DeviceProfile, get_profile, profile_for_report
 from memfit.errors import ConfigError
-from memfit.memory.candidates import (
+from memfit.memory.estimator.compose import Estimate, Stack
+from memfit.memory.estimator.estimate import Estimator, model_config_for, n_blocks_of
+from memfit.memory.estimator.evaluation import plan_evaluation
+from memfit.memory.estimator.tracker import total
+from memfit.memory.planner.candidates import (
     adapter_rows,
     configured_stack,
     lean_layer_fallbacks,
@@ -21,12 +25,8 @@ from memfit.memory.candidates import (
     technique_variants,
     techniques,
 )
-from memfit.memory.compose import Estimate, Stack
-from memfit.memory.estimate import Estimator, model_config_for, n_blocks_of
-from memfit.memory.evaluation import plan_evaluation
-from memfit.memory.plan import MeasuredPeak, Plan, assignments, choose, measured_reason
-from memfit.memory.policies import make_policy
-from memfit.memory.tracker import total
+from memfit.memory.planner.plan import MeasuredPeak, Plan, assignments, choose, measured_reason
+from memfit.memory.techniques.policies import make_policy
 from memfit.models.experts import model_param_counts
 
 log = logging.getLogger("memfit.memory")
@@ -78,7 +78,7 @@ def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = Non
     masked = explicit_mask(cfg, hf_config)
     seq_len = cfg.data.seq_len
     if cfg.train.objective == "dpo":  # a DPO batch is cut to its longest side: the data's longest pair, when known
-        from memfit.memory.pair_length import planned_seq_len
+        from memfit.memory.planner.pair_length import planned_seq_len
 
         seq_len = planned_seq_len(cfg)
     return Estimator(hf_config, seq_len, profile,
@@ -141,7 +141,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
              estimator: Estimator | None = None, measured: Sequence[MeasuredPeak] = ()) -> Plan:
     """Estimate the candidate stacks tier by tier and choose; a fixed memory.policy is estimated only (with
     lora.enabled=auto: that policy on each LoRA fallback, until one fits). `measured`: stacks this run was
-    stopped at the memory limit with (memory/limits.py); they and what their measurement rules out never fit."""
+    stopped at the memory limit with (planner/limits.py); they and what their measurement rules out never fit."""
     t0 = time.perf_counter()
     est = estimator or make_estimator(cfg, profile, hf_config)
     n = est.n_blocks
@@ -287,7 +287,7 @@ def longest_context_stack(cfg: Any, profile: DeviceProfile, planned: Estimate, v
     assumes), even where the planner chose plain at data.seq_len, and under memory.lean_layers auto the lean
     layers where the planner searches (policy or LoRA auto). Activations grow with the sequence, the
     weights do not, so that is the stack that fits the longest sequence; a fixed policy or loss is kept."""
-    from memfit.training.loss import resolve_loss
+    from memfit.memory.techniques.loss import resolve_loss
 
     stack, kinds = planned.stack, planned.kinds
     if cfg.memory.policy == "auto":
@@ -387,8 +387,8 @@ def max_seq_report(cfg: Any, device: str | None = None, budget_gb: float | None 
 
 def per_gpu_report(cfg: Any, device: str | None = None, budget_gb: float | None = None) -> dict[str, Any]:
     """`memfit plan` with several ranks: one rank's step estimated at its share of the batch, then the
-    training state divided as each strategy shards it (memfit/memory/sharding.py)."""
-    from memfit.memory.sharding import STRATEGIES, choose_strategy, per_rank_bytes
+    training state divided as each strategy shards it (memfit/memory/planner/sharding.py)."""
+    from memfit.memory.planner.sharding import STRATEGIES, choose_strategy, per_rank_bytes
 
     world = cfg.distributed.world_size
     # One rank runs the single-process step on its slice of every global batch.

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memfit.memory.tracker import import_tools_module
+from memfit.memory.estimator.tracker import import_tools_module
 
 # What a byte is held for. Pre-existing state is adopted with its category; what the step allocates is
 # classified after it (`StepTimeline.classify`), since only then is it known what survived the forward.

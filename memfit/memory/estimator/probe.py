@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.memory.policies import find_blocks
-from memfit.memory.step import autocast_context, init_optimizer_state, make_optimizer, run_step
-from memfit.memory.tracker import StepTracker
+from memfit.memory.estimator.step import autocast_context, init_optimizer_state, make_optimizer, run_step
+from memfit.memory.estimator.tracker import StepTracker
+from memfit.memory.techniques.policies import find_blocks
 
 __all__ = ["autocast_context", "measure_step", "verdict", "budget_bytes", "explain_oom"]
 
