@@ -1,1 +1,1 @@
-"""Memory: measuring a training step, gradient-checkpointing policies, and the plan."""
+"""Memory, in three parts: techniques applied to a model or step, the estimator, the planner (arrows one way)."""

@@ -125,7 +125,7 @@ class NF4Quantization:
         model.is_loaded_in_4bit = True
         from peft import prepare_model_for_kbit_training
 
-        # memfit's own policy applies gradient checkpointing later (memfit/memory/techniques/policies.py), in its one place.
+        # memfit's own policy applies gradient checkpointing later (memory/techniques/policies.py), in its one place.
         return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
     def _linear4bit(self, bnb: Any, layer: nn.Linear) -> nn.Module:

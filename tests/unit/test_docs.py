@@ -176,7 +176,8 @@ def layout_problems(block: str, repo: Path = REPO) -> list[str]:
     problems: list[str] = []
     listed: dict[str, int] = {}
     top: set[str] = set()
-    parent = sub = ""
+    parent = ""
+    chain: list[str] = []  # the folders (or "" for a module) the lines above sit in, below memfit/
     for raw in block.splitlines():
         if not raw.strip():
             continue
@@ -187,18 +188,17 @@ def layout_problems(block: str, repo: Path = REPO) -> list[str]:
         if indent == 0:
             top.add(name.rstrip("/"))
             parent = name if name == "memfit/" else ""
-            sub = ""
+            chain = []
             if name.endswith("/") and name != "memfit/":  # flows/  ... finetune.py, deploy.py ...: each exists
                 problems += [f"README.md Layout: {name}{f} does not exist"
                              for f in re.findall(r"(?<![\w./-])([\w-]+\.(?:py|json|yaml))\b", raw)
                              if not (repo / name / f).exists()]
-        elif parent and indent == 2:
-            sub = name if name.endswith("/") else ""
+        elif parent and indent in (2, 4, 6) and all(chain[:indent // 2 - 1]) and len(chain) >= indent // 2 - 1:
+            # Two spaces a level: memfit/x, memfit/sub/x, memfit/sub/part/x (deeper lines are wrapped descriptions).
+            chain = chain[:indent // 2 - 1]
             for n in names:
-                listed[parent + n] = listed.get(parent + n, 0) + 1
-        elif parent and indent == 4 and sub:
-            for n in names:
-                listed[parent + sub + n] = listed.get(parent + sub + n, 0) + 1
+                listed[parent + "".join(chain) + n] = listed.get(parent + "".join(chain) + n, 0) + 1
+            chain.append(name if name.endswith("/") else "")
     actual = {p.relative_to(repo).as_posix() + ("/" if p.is_dir() else "")
               for p in (repo / "memfit").rglob("*")
               if (p.suffix == ".py" and p.name != "__init__.py" and "__pycache__" not in p.parts)
@@ -287,7 +287,7 @@ def test_checker_knows_every_key_of_the_tree():
 
 def test_layout_check_flags_missing_extra_and_twice_listed_modules():
     block = ("memfit/        core\n  errors.py    errors\n  gone.py      removed\n  memory/      x\n"
-             "    probe.py   y\n  memory/      again\ntasks/         train.py, nothing.py\n")
+             "    estimator/ y\n      probe.py z\n  memory/      again\ntasks/         train.py, nothing.py\n")
     problems = layout_problems(block)
     assert "README.md Layout: lists memfit/gone.py, which does not exist" in problems
     assert "README.md Layout: memfit/cli/ exists but is not listed" in problems

@@ -120,11 +120,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("vocabulary", ("memfit", "memfit.config", "memfit.errors", "memfit.files", "memfit.reports")),
     ("platform", ("memfit.runtime", "memfit.storage", "memfit.tracking")),
     ("inputs", ("memfit.models", "memfit.data")),
-    # A step's recipe (loss, optimizer, schedule) lives in training/ but sits under memory/: the estimator traces
-    # the same step the loop runs.
-    ("step recipe", ("memfit.memory.techniques.loss", "memfit.memory.techniques.fused_loss", "memfit.memory.techniques.optim",
-                     "memfit.memory.techniques.offload_optim", "memfit.memory.techniques.schedule")),
-    ("memory and state", ("memfit.memory", "memfit.checkpoints")),
+    # memory/'s three parts, one way: the trainer and the estimator use the techniques, the planner the estimator.
+    ("techniques", ("memfit.memory", "memfit.memory.techniques")),
+    ("estimator", ("memfit.memory.estimator",)),
+    ("planner and state", ("memfit.memory.planner", "memfit.checkpoints")),
     ("training", ("memfit.training", "memfit.distributed")),
     ("phase 5", ("memfit.evaluation", "memfit.release", "memfit.server")),
     # The spine, and the entry points of memfit's other processes (a torchrun rank, the tracking process),
@@ -164,6 +163,27 @@ def test_the_layer_check_catches_an_upward_import():
     assert upward_imports(graph) == ["memfit.data.packing (layer 'inputs') imports memfit.training.loop "
                                      "(layer 'training')"]
     assert layer_of("memfit.config.release") == 0 and layer_of("memfit.cli") == len(LAYERS) - 1
+    # memory/'s arrows: a technique never reaches up into the estimator or planner, nor the estimator into the
+    # planner, nor any of memory/ into training/ (the loop and what it runs).
+    for a, b in [("memfit.memory.techniques.policies", "memfit.memory.estimator.tracker"),
+                 ("memfit.memory.techniques.loss", "memfit.memory.planner.search"),
+                 ("memfit.memory.estimator.estimate", "memfit.memory.planner.plan"),
+                 ("memfit.memory.planner.monitor", "memfit.training.loop")]:
+        assert upward_imports({a: {b}}) != [], (a, b)
+    assert upward_imports({"memfit.training.loop": {"memfit.memory.techniques.optim"},
+                           "memfit.memory.planner.search": {"memfit.memory.estimator.estimate"}}) == []
+
+
+def test_memory_arrows_run_one_way():
+    """The trainer and the estimator use the techniques, the planner uses the estimator; nothing points back."""
+    order = ("memfit.memory.techniques", "memfit.memory.estimator", "memfit.memory.planner", "memfit.training")
+
+    def rank(module: str) -> int:
+        return next((i for i, p in enumerate(order) if module == p or module.startswith(p + ".")), -1)
+
+    back = sorted(f"{a} imports {b}" for a, targets in _graph(module_level_only=False).items() for b in targets
+                  if 0 <= rank(a) < rank(b))
+    assert back == [], "memory/'s arrows point back:\n" + "\n".join(back)
 
 
 def test_the_root_holds_only_the_spine():
@@ -181,7 +201,16 @@ def layers_text() -> str:
     def path(member: str) -> str:
         return member.removeprefix("memfit.").replace(".", "/")
 
-    return " → ".join(f"{name}: " + ", ".join(path(m) for m in members if m != "memfit") for name, members in LAYERS)
+    every = [m for _, members in LAYERS for m in members]
+
+    def placed_by_parts(member: str) -> bool:  # memfit.memory: each of its modules is placed by a longer name
+        inside = [m for m in _modules() if m.startswith(member + ".")]
+        return bool(inside) and all(any(m == o or m.startswith(o + ".") for o in every if o.startswith(member + "."))
+                                    for m in inside)
+
+    shown = [[m for m in members if m != "memfit" and not placed_by_parts(m)] for _, members in LAYERS]
+    return " → ".join(f"{name}: " + ", ".join(map(path, members)) for (name, _), members in zip(LAYERS, shown,
+                                                                                                strict=True))
 
 
 def test_the_readme_says_these_layers():

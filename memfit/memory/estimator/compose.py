@@ -23,7 +23,7 @@ class Stack:
     loss: str = "plain"  # memory.loss: plain | chunked
     optimizer: str = "adamw"  # memory.optimizer: adamw | adamw-fused | adamw-8bit | adamw-cpu-offload
     optimizer_in_backward: bool = False
-    lean_layers: bool = False  # memory.lean_layers: SwiGLU MLPs and RMSNorms saving less (memfit.memory.techniques.lean_layers)
+    lean_layers: bool = False  # memory.lean_layers: SwiGLU MLPs and RMSNorms saving less (techniques/lean_layers)
 
     def label(self) -> str:
         extras = [x for x in (self.quantize.upper() if self.quantize != "none" else "",
