@@ -42,10 +42,17 @@ class _NoHubKernelNotice(logging.Filter):
 _NO_HUB_KERNEL_NOTICE = _NoHubKernelNotice()
 
 
-def require_bitsandbytes(field: str = "lora.quantize") -> Any:
+def import_bitsandbytes() -> Any:
+    """bitsandbytes, imported without its hub-kernel notice (every importer of it comes here); ImportError as is."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NO_HUB_KERNEL_NOTICE)  # once: the same object
+    import bitsandbytes as bnb
+
+    return bnb
+
+
+def require_bitsandbytes(field: str = "lora.quantize") -> Any:
     try:
-        import bitsandbytes as bnb
+        bnb = import_bitsandbytes()
     except ImportError:
         raise ConfigError(f"{field}=nf4 needs bitsandbytes, which is not installed: {INSTALL_HINT} "
                           f"(or set {field}=none)") from None

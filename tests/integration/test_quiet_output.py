@@ -114,3 +114,25 @@ def test_a_lora_model_imports_no_bitsandbytes_and_nf4_logs_no_hub_kernel_notice(
     if nf4:  # NF4 needs bitsandbytes: imported, and its notice about an optional hub kernel dropped at the import
         assert out["nf4"]["bitsandbytes"] is True
         assert not [r for r in out["nf4"]["logs"] if "gemm_4bit_forward" in r], out["nf4"]["logs"]
+
+
+ADAMW_8BIT = r"""
+import logging
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(f"{record.name}: {record.getMessage()}")
+logging.getLogger().addHandler(Keep(level=logging.WARNING))
+import torch
+from memfit.memory.techniques.optim import make_adamw
+optimizer = make_adamw(torch.nn.Linear(8, 8), 1e-3, 0.0, kind="adamw-8bit")
+print("RESULT", type(optimizer).__name__, records)
+"""
+
+
+def test_the_8bit_optimizer_logs_no_hub_kernel_notice():
+    pytest.importorskip("bitsandbytes")
+    proc = subprocess.run([sys.executable, "-c", ADAMW_8BIT], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULT AdamW8bit" in proc.stdout and "gemm_4bit_forward" not in proc.stdout + proc.stderr, proc.stdout

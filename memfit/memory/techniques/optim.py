@@ -51,8 +51,10 @@ def make_adamw(model: nn.Module, lr: float, weight_decay: float, foreach: bool |
     if kind == "adamw-fused":
         return torch.optim.AdamW(groups, fused=True, **common)
     if kind == "adamw-8bit":
+        from memfit.models.quantization import import_bitsandbytes
+
         try:
-            import bitsandbytes as bnb
+            bnb = import_bitsandbytes()
         except ImportError:
             raise ConfigError("memory.optimizer: adamw-8bit needs bitsandbytes (pip install bitsandbytes==0.50.2), "
                               "or choose adamw / adamw-fused") from None
