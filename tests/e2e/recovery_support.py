@@ -131,12 +131,15 @@ def newest_checkpoint(s3: Any, bucket: str, prefix: str) -> int:
 
 
 def flow_runs(client: Any, run_tag: str | None = None, deployment_id: Any = None) -> list[Any]:
+    """The newest 200 flow runs, oldest first. Newest: the stress loop puts four runs a round on one deployment,
+    and the oldest 50 once hid round 13's restart (a restart is found before it runs, under Prefect's random name,
+    so the name cannot narrow the query)."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterTags
     from prefect.client.schemas.sorting import FlowRunSort
 
     flt = FlowRunFilter(tags=FlowRunFilterTags(all_=[run_tag]) if run_tag else None,
                         deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]) if deployment_id else None)
-    return client.read_flow_runs(flow_run_filter=flt, sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=50)
+    return client.read_flow_runs(flow_run_filter=flt, sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=200)[::-1]
 
 
 # -- a cluster's deployment runs (the recovery tests and the stress loop share these) -------------------------------
@@ -186,6 +189,7 @@ def preemption_chain(cluster: dict[str, Any], run: str, max_restarts: int, kills
     machines = [Machine(cluster["root"], f"{run}-{i}", cluster["env"]) for i in range(kills + 1)]
     context = lambda: "\n".join(f"--- {m.dir.name} ---\n{m.tail()}" for m in machines)  # noqa: E731
     seen: set = set()
+    deployment = None
     try:
         with get_client(sync_client=True) as client:
             serve_machine(cluster, machines[0], run, budget)
@@ -211,6 +215,20 @@ def preemption_chain(cluster: dict[str, Any], run: str, max_restarts: int, kills
     finally:
         for m in machines:
             m.stop()
+        if deployment is not None:
+            cancel_leftovers(deployment.id, run)
+
+
+def cancel_leftovers(deployment_id: Any, run: str) -> None:
+    """After a failed round, its runs not yet final are cancelled (a person's cancel: recovery leaves it), so
+    the next round's machines, serving the same deployment, do not pick them up."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled
+
+    with get_client(sync_client=True) as client:
+        for r in runs_of(client, deployment_id, run):
+            if not (r.state and r.state.is_final()):
+                client.set_flow_run_state(r.id, Cancelled(message="cancelled by the test after its round"), force=True)
 
 
 # Prefect's own runner serving memfit's deployment, as a plain `prefect.serve` (or a memfit before its draining
