@@ -19,7 +19,7 @@ from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryBudge
 from memfit.memory.estimator.probe import explain_oom, measure_step, verdict, weights_to_device
 from memfit.memory.planner.plan import plan_table_markdown
 from memfit.memory.planner.plan_cache import cache_path, load_plan, plan_key, store_plan
-from memfit.memory.planner.replan import plan_at_resume
+from memfit.memory.planner.replan import plan_at_resume, trained_as
 from memfit.memory.planner.search import estimate_policy, plan_for, resolve_budget, target_profile
 from memfit.memory.techniques.policies import make_policy
 from memfit.preflight import preflight
@@ -94,10 +94,9 @@ def check_environment_and_probe(cfg: MemfitConfig) -> ProbeReport:
 
 # -- phase 2 ------------------------------------------------------------------------------------------
 def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport, resume: ResumePoint | None = None) -> PlanReport:
-    """Choose the optimisation stack with the memory planner (or estimate a fixed memory.policy); the same
-    config, device, architecture and code as a run before in this work folder reuse its plan, and a `resume` on
-    the same target its training checkpoint's (planner/replan.py). With recovery.on_memory_limit leaner, the
-    stacks this run was stopped at the memory limit with are ruled out."""
+    """Choose the optimisation stack with the memory planner (or estimate a fixed memory.policy); a run like one
+    before reuses its plan, a `resume` on the same target its training checkpoint's (planner/replan.py); stacks
+    stopped at the memory limit before are ruled out (recovery.on_memory_limit leaner)."""
     device = probe_report.environment["device"]
     if cfg.memory.policy == "offload" and device["type"] != "cuda":
         make_policy("offload").apply(torch.nn.Linear(1, 1))  # raises the policy's own clear error
@@ -108,7 +107,8 @@ def plan_stack(cfg: MemfitConfig, probe_report: ProbeReport, resume: ResumePoint
         log.info("memory limit before: %s measured %.4g GB at step %d > limit %.4g GB (%s): planning leaner",
                  m.label(), m.measured_bytes / 1e9, m.step, m.limit_bytes / 1e9, m.limit_source)
     return plan_at_resume(resume, profile.name, cfg.distributed.world_size, budget, cfg.memory.budget_gb is not None,
-                          measured, lambda: _planned(cfg, probe_report, profile, budget, source, measured))
+                          measured, lambda: _planned(trained_as(cfg, resume), probe_report, profile, budget, source,
+                                                     measured))
 
 
 def _planned(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: int | None, source: str,

@@ -10,7 +10,8 @@ import pytest
 from test_memory_limits import stopped
 from test_plan import N, est
 
-from memfit.memory.planner.replan import plan_at_resume, plan_changes, why_replan
+from memfit import config
+from memfit.memory.planner.replan import plan_at_resume, plan_changes, trained_as, why_replan
 from memfit.reports import PlanReport, ResumePoint
 
 pytestmark = pytest.mark.unit
@@ -69,3 +70,14 @@ def test_plan_at_resume_calls_the_planner_only_when_it_must():
     assert calls == [1, 1] and moved.changes == (
         "planned again at resume from step 7: the target device changed: cpu → h100-80gb (memory.device); "
         "optimizer: adamw → adamw-fused; predicted peak 0.012 GB → 0.012 GB")
+
+
+def test_a_re_plan_keeps_the_weights_the_checkpoint_trained():
+    cfg = config.load(None, ["lora.enabled=auto"])
+    full = ResumePoint(checkpoint_uri="x", step=7, plan=_plan())
+    assert trained_as(cfg, None) is cfg
+    assert trained_as(cfg, full).lora.enabled is False  # all weights trained: another device may not pick LoRA
+    qlora = ResumePoint(checkpoint_uri="x", step=7, plan=_plan(lora=True, quantize="nf4"))
+    pinned = trained_as(cfg, qlora)
+    assert (pinned.lora.enabled, pinned.lora.quantize, pinned.lora.r) == (True, "nf4", cfg.lora.r)
+    assert cfg.lora.enabled == "auto"  # the config as asked is left alone

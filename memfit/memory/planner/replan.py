@@ -33,6 +33,17 @@ def plan_at_resume(resume: ResumePoint | None, device: str, world_size: int, bud
     return new.model_copy(update={"changes": changes})
 
 
+def trained_as(cfg: Any, resume: ResumePoint | None) -> Any:
+    """The config a re-plan at resume plans from: the weights stay those the checkpoint trained — LoRA or all of
+    them, on a base quantized or not — as its saved plan decided (a `lora.enabled: auto` may not flip on another
+    device: the saved state would not load into the other kind of model)."""
+    saved = resume.plan if resume is not None else None
+    if saved is None:
+        return cfg
+    lora = cfg.lora.model_copy(update={"enabled": saved.lora, "quantize": saved.quantize})
+    return cfg.model_copy(update={"lora": lora})
+
+
 def why_replan(saved: PlanReport, device: str, world_size: int, budget: int | None, budget_fixed: bool,
                measured: Sequence[Any]) -> str | None:
     """Why a resume cannot reuse the plan its training checkpoint saved, or None when it can: another target
