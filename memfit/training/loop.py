@@ -134,6 +134,8 @@ class Trainer:
         # One padded example a row: micro-batches of similar lengths, so cutting to the longest leaves little padding.
         grouped = self._cut_to_longest and cfg.data.group_by_length
         self.order = BatchOrder(len(data.train), t.micro_batch_size, t.seed, self._row_real if grouped else None)
+        # data.streaming: the blocks come from the stream (plain blocks: every row full), its position checkpointed.
+        self.feed = data.stream if data.stream is not None else self.order
         self.flatten = flattened(cfg.data, "position_ids" in data.train_fields, self.attn_implementation)
         self.step_counts = (0, 0, 0)  # the last step's (real, trained, computed) tokens on this rank
         self.flops = cuda_flops(self.model, device, data.train.shape[1], cfg.train.precision)
@@ -143,7 +145,7 @@ class Trainer:
     # -- state --------------------------------------------------------------------------------------------
     def resume_state(self, rng_json: dict[str, Any]) -> dict[str, Any]:
         """What every training checkpoint holds besides tensors (the strategy adds its own keys)."""
-        return {"tokens_seen": self.tokens_seen, "data_order": self.order.state_dict(),
+        return {"tokens_seen": self.tokens_seen, "data_order": self.feed.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
                 "rng": rng_json, "initial_val_loss": self.initial_val_loss, "mlflow_run_id": self.tracker.run_id,
                 "identity": self.identity}
@@ -163,7 +165,7 @@ class Trainer:
     def restore(self, folder: str | Path) -> None:
         """Resume from a local training checkpoint folder (collective with several ranks)."""
         state, rng = self.strategy.restore(self, Path(folder))
-        self.order.load_state_dict(state["data_order"])
+        self.feed.load_state_dict(state["data_order"])
         self.step = int(state["step"])
         if rng is not None:
             restore_rng(*rng)
@@ -199,16 +201,22 @@ class Trainer:
         real = trained = slots = 0
         for k in range(t.grad_accum_steps):
             # The same global order on every rank; each takes its slice of the micro-batch.
-            idx = s.shard(self.order.next_indices(), t.micro_batch_size)
-            rows = [int(i) for i in idx]
-            lengths = [self._row_real[i] for i in rows]
-            row_trained = sum(self._row_trained[i] for i in rows)
+            if self.data.stream is not None:
+                train = self.data.stream.next_blocks(t.micro_batch_size)
+                idx = s.shard(torch.arange(len(train)), t.micro_batch_size)
+                lengths, row_trained = [train.shape[1]] * len(idx), (train.shape[1] - 1) * len(idx)
+            else:
+                train = self.data.train
+                idx = s.shard(self.order.next_indices(), t.micro_batch_size)
+                rows = [int(i) for i in idx]
+                lengths = [self._row_real[i] for i in rows]
+                row_trained = sum(self._row_trained[i] for i in rows)
             real += sum(lengths)
             trained += row_trained
             slots += (sum(lengths) if self.flatten else
-                      len(rows) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1]))
+                      len(idx) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1]))
             self.trained_tokens_seen += row_trained
-            batch = blocks_batch(self.data.train, idx, self.device, self.data.train_fields, self.attn_implementation,
+            batch = blocks_batch(train, idx, self.device, self.data.train_fields, self.attn_implementation,
                                  lengths if self.flatten else None)
             with s.micro_batch(last=k == t.grad_accum_steps - 1):
                 with autocast_context(self.device, s.autocast_precision):
