@@ -123,11 +123,14 @@ class DataConfig(_Section):
     @model_validator(mode="after")
     def _streaming_blocks(self) -> DataConfig:
         # Other layouts need every example's length (padding_free, auto) or a record read whole (answer masks).
-        if self.streaming and (self.packing != "blocks" or self.train_on != "all" or self.path is None
-                               or self.path.startswith("hf:")):
-            raise ValueError(f"data.streaming: true streams plain text blocks from local files only; set "
-                             f"data.packing: blocks (got {self.packing}), data.train_on: all (got {self.train_on}) "
-                             f"and data.path to local files (got {self.path}), or data.streaming: false")
+        if not self.streaming:
+            return self
+        wrong = [f"data.{k}: {want} (got {got})" for k, want, got in (
+            ("packing", "blocks", self.packing), ("train_on", "all", self.train_on),
+            ("path", "local files", self.path)) if (got != want if k != "path" else not got or got.startswith("hf:"))]
+        if wrong:
+            raise ValueError("data.streaming: true streams plain text blocks from local files only; set "
+                             f"{', '.join(wrong)}, or data.streaming: false")
         return self
 
 
