@@ -23,18 +23,20 @@ def _texts(n: int, tag: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[Path, list[str]]:
-    """A folder of a .jsonl, a .txt (paragraphs) and a .parquet file: sources in sorted order, one with a blank."""
+    """A folder of a .jsonl, a .txt (paragraphs), a .parquet and a .csv file: sources in sorted order, a blank."""
     import pyarrow as pa
+    import pyarrow.csv
     import pyarrow.parquet as pq
 
     root = tmp_path_factory.mktemp("stream")
-    a, b, c = _texts(300, "a"), _texts(200, "b"), _texts(250, "c")
+    a, b, c, d = _texts(300, "a"), _texts(200, "b"), _texts(250, "c"), _texts(120, "d")
     with (root / "a.jsonl").open("w") as f:
         for i, t in enumerate(a):
             f.write(json.dumps({"text": t if i != 5 else "   "}) + "\n")
     (root / "b.txt").write_text("\n\n".join(b) + "\n")
     pq.write_table(pa.table({"text": c}), root / "c.parquet")
-    return root, [t for i, t in enumerate(a) if i != 5] + b + c
+    pa.csv.write_csv(pa.table({"id": list(range(len(d))), "text": d}), root / "d.csv")
+    return root, [t for i, t in enumerate(a) if i != 5] + b + c + d
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,17 @@ def test_streamed_blocks_are_the_prepared_paths_blocks_in_stream_order(corpus, t
     assert end is None
     prepared = tokenize_and_pack(list(load_texts(DataConfig(path=str(root)))), tok, 32)  # before its split
     assert torch.equal(torch.from_numpy(np.stack(blocks)), prepared)
+
+
+def test_a_saved_dataset_streams_the_blocks_it_prepares(corpus, tok, tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_dict({"text": corpus[1][:400]}).save_to_disk(str(tmp_path / "saved"))
+    stream = BlockStream(_data(tmp_path / "saved"), tok, 0, "fp")
+    blocks, pos = stream.read(stream.start, 50)
+    rest, end = stream.read(pos, 10**9)
+    prepared = tokenize_and_pack(list(load_texts(DataConfig(path=str(tmp_path / "saved")))), tok, 32)
+    assert end is None and torch.equal(torch.from_numpy(np.stack(blocks + rest)), prepared)
 
 
 def test_a_position_mid_stream_continues_with_the_next_block(corpus, tok):
@@ -97,4 +110,9 @@ def test_bad_combinations_and_formats_are_one_clear_line(tmp_path, tok):
     chats = messages_jsonl(tmp_path / "chat.jsonl", 5)
     stream = BlockStream(DataConfig(path=str(chats), streaming=True, seq_len=16), tok, 0, "fp")
     with pytest.raises(DataError, match=r"chat.jsonl holds messages records; only plain text streams"):
+        stream.read(stream.start, 1)
+    holes = tmp_path / "holes.jsonl"
+    holes.write_text("".join(json.dumps({"text": None if i == 2 else f"t {i}"}) + "\n" for i in range(5)))
+    stream = BlockStream(DataConfig(path=str(holes), streaming=True, seq_len=16), tok, 0, "fp")
+    with pytest.raises(DataError, match=r"holes.jsonl, record 3: 'text' is missing"):
         stream.read(stream.start, 1)
