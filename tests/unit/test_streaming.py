@@ -116,3 +116,14 @@ def test_bad_combinations_and_formats_are_one_clear_line(tmp_path, tok):
     stream = BlockStream(DataConfig(path=str(holes), streaming=True, seq_len=16), tok, 0, "fp")
     with pytest.raises(DataError, match=r"holes.jsonl, record 3: 'text' is missing"):
         stream.read(stream.start, 1)
+
+
+def test_the_run_identity_names_streaming_only_when_it_is_on(tmp_path):
+    """Checkpoints saved before data.streaming existed still resume; a streamed run resumes only as one."""
+    from memfit.config import MemfitConfig
+    from memfit.run_context import run_identity
+
+    plain = run_identity(MemfitConfig())["data"]
+    assert "streaming" not in plain and "shuffle_buffer" not in plain
+    streamed = run_identity(MemfitConfig(data={"path": str(tmp_path), "streaming": True, "shuffle_buffer": 8}))
+    assert streamed["data"]["streaming"] is True and streamed["data"]["shuffle_buffer"] == 8
