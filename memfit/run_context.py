@@ -64,6 +64,9 @@ def run_identity(cfg: MemfitConfig) -> dict[str, Any]:
     else:
         out["dpo"] = cfg.dpo.model_dump(mode="json")
     out["data"].pop("num_proc", None)  # how fast the rows are prepared, not which
+    if not out["data"]["streaming"]:  # as before streaming existed, so earlier checkpoints still resume
+        for key in ("streaming", "shuffle_buffer"):
+            del out["data"][key]
     return out
 
 

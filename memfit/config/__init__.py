@@ -109,6 +109,29 @@ class DataConfig(_Section):
     num_proc: int | None = Field(
         None, ge=1, le=512, description="Processes that tokenise the records in parallel when the rows are "
         "prepared (once per data version; every phase reuses them). Unset: the cores this process may use.")
+    streaming: bool = Field(
+        False, description="Read the records as a stream (datasets' IterableDataset over the local files) and cut "
+        "blocks on the fly, with no packed rows on disk: for a corpus larger than the data cache should hold. "
+        "Plain text blocks only (packing blocks, train_on all; .txt, or a text field in .jsonl/.json/.parquet/.csv "
+        "or a saved dataset). The first train.eval_batches micro-batches of blocks are the validation set; the "
+        "stream position is saved in training checkpoints, so a resume continues at the exact block.")
+    shuffle_buffer: int = Field(
+        1024, ge=1, le=1_000_000, description="data.streaming: blocks shuffled together. A stream cannot be shuffled "
+        "globally: each window of this many consecutive blocks is permuted (seeded by train.seed, the epoch and the "
+        "window), so a block moves at most this far; larger mixes more and holds more blocks in memory.")
+
+    @model_validator(mode="after")
+    def _streaming_blocks(self) -> DataConfig:
+        # Other layouts need every example's length (padding_free, auto) or a record read whole (answer masks).
+        if not self.streaming:
+            return self
+        wrong = [f"data.{k}: {want} (got {got})" for k, want, got in (
+            ("packing", "blocks", self.packing), ("train_on", "all", self.train_on),
+            ("path", "local files", self.path)) if (got != want if k != "path" else not got or got.startswith("hf:"))]
+        if wrong:
+            raise ValueError("data.streaming: true streams plain text blocks from local files only; set "
+                             f"{', '.join(wrong)}, or data.streaming: false")
+        return self
 
 
 class TrainConfig(_Section):

@@ -119,7 +119,12 @@ def cached_data(cfg: MemfitConfig, texts: Any, digest: str | None, tokenizer: An
                 ) -> DataBundle:
     """The packed rows, prepared once per data version and settings, reused by every phase and run after; data
     .packing auto is resolved first (it needs the model's config), so the key and the bundle name the layout
-    chosen. `texts`: a DataSource (its digest used when `digest` is None), a Corpus or plain texts."""
+    chosen. `texts`: a DataSource (its digest used when `digest` is None), a Corpus or plain texts. data.streaming:
+    nothing is prepared; the blocks are read as training needs them (streaming.py)."""
+    if cfg.data.streaming:
+        from memfit.data.streaming import streamed_data
+
+        return streamed_data(cfg, texts, tokenizer)
     if digest is None:
         digest = texts.digest()
     if cfg.data.packing == "auto" and cfg.train.objective != "dpo":  # preference pairs: one pair a row, padded

@@ -40,6 +40,8 @@ class DataBundle:
     # Held-out examples (validation rows' prompt/completion or messages records) phase 5 generates answers for.
     heldout: list[dict[str, Any]] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    # data.streaming: the training blocks come from this BlockStream (streaming.py); `train` holds its first batch.
+    stream: Any = None
 
     def trained_share(self) -> float:
         """Share of the training rows' tokens whose prediction is trained (labels shifted by one, as the loss)."""

@@ -91,7 +91,9 @@ class DataSource:
         one; else the records are read (and checked) here, plain text without holding them (arrow_text)."""
         if self._digest is None:
             known = self.known()
-            if known is not None:
+            if self.data.streaming:  # the records are checked as they stream: the files' bytes name the data
+                self._digest = self.fingerprint
+            elif known is not None:
                 self._digest = str(known["digest"])
             else:
                 from memfit.data.arrow_text import scan_text

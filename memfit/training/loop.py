@@ -138,6 +138,8 @@ class Trainer:
         # One padded example a row: micro-batches of similar lengths, so cutting to the longest leaves little padding.
         grouped = self._cut_to_longest and cfg.data.group_by_length
         self.order = BatchOrder(len(data.train), plan.micro_batch_size, t.seed, self._row_real if grouped else None)
+        # data.streaming: the blocks come from the stream (plain blocks: every row full), its position checkpointed.
+        self.feed = data.stream if data.stream is not None else self.order
         self.flatten = flattened(cfg.data, "position_ids" in data.train_fields, self.attn_implementation)
         self.step_counts = (0, 0, 0)  # the last step's (real, trained, computed) tokens on this rank
         self.flops = cuda_flops(self.model, device, data.train.shape[1], plan.precision)
@@ -147,7 +149,7 @@ class Trainer:
     # -- state --------------------------------------------------------------------------------------------
     def resume_state(self, rng_json: dict[str, Any]) -> dict[str, Any]:
         """What every training checkpoint holds besides tensors (the strategy adds its own keys)."""
-        return {"tokens_seen": self.tokens_seen, "data_order": self.order.state_dict(),
+        return {"tokens_seen": self.tokens_seen, "data_order": self.feed.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
                 "rng": rng_json, "initial_val_loss": self.initial_val_loss, "mlflow_run_id": self.tracker.run_id,
                 "identity": self.identity, "plan": self.plan.model_dump(mode="json")}
@@ -167,7 +169,7 @@ class Trainer:
     def restore(self, folder: str | Path) -> None:
         """Resume from a local training checkpoint folder (collective with several ranks)."""
         state, rng = self.strategy.restore(self, Path(folder))
-        self.order.load_state_dict(state["data_order"])
+        self.feed.load_state_dict(state["data_order"])
         self.step = int(state["step"])
         if rng is not None:
             restore_rng(*rng)
@@ -214,16 +216,22 @@ class Trainer:
         p = self.plan
         for _ in range(p.grad_accum_steps):
             # The same global order on every rank; each takes its slice of the micro-batch.
-            idx = self.strategy.shard(self.order.next_indices(), p.micro_batch_size)
-            rows = [int(i) for i in idx]
-            lengths = [self._row_real[i] for i in rows]
-            row_trained = sum(self._row_trained[i] for i in rows)
+            if self.data.stream is not None:
+                train = self.data.stream.next_blocks(p.micro_batch_size)
+                idx = self.strategy.shard(torch.arange(len(train)), p.micro_batch_size)
+                lengths, row_trained = [train.shape[1]] * len(idx), (train.shape[1] - 1) * len(idx)
+            else:
+                train = self.data.train
+                idx = self.strategy.shard(self.order.next_indices(), p.micro_batch_size)
+                rows = [int(i) for i in idx]
+                lengths = [self._row_real[i] for i in rows]
+                row_trained = sum(self._row_trained[i] for i in rows)
             counts[0] += sum(lengths)
             counts[1] += row_trained
             counts[2] += (sum(lengths) if self.flatten else
-                          len(rows) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1]))
+                          len(idx) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1]))
             self.trained_tokens_seen += row_trained
-            yield blocks_batch(self.data.train, idx, self.device, self.data.train_fields, self.attn_implementation,
+            yield blocks_batch(train, idx, self.device, self.data.train_fields, self.attn_implementation,
                                lengths if self.flatten else None)
 
     def save(self, blocking: bool, force: bool = False, deadline: float | None = None, busy: bool | None = None

@@ -1,0 +1,129 @@
+"""data.streaming: the prepared path's blocks read as a stream, a seeded windowed order, resumable at any block."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from chat_support import bpe_tokenizer, messages_jsonl
+
+from memfit.config import DataConfig
+from memfit.data.formats import load_texts
+from memfit.data.packing import tokenize_and_pack
+from memfit.data.streaming import BlockStream
+from memfit.errors import CheckpointError, DataError
+
+
+def _texts(n: int, tag: str) -> list[str]:
+    return [f"{tag} record {i}: " + " ".join(f"w{(i * 7 + k) % 23}" for k in range(3 + i % 11)) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A folder of a .jsonl, a .txt (paragraphs), a .parquet and a .csv file: sources in sorted order, a blank."""
+    import pyarrow as pa
+    import pyarrow.csv
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("stream")
+    a, b, c, d = _texts(300, "a"), _texts(200, "b"), _texts(250, "c"), _texts(120, "d")
+    with (root / "a.jsonl").open("w") as f:
+        for i, t in enumerate(a):
+            f.write(json.dumps({"text": t if i != 5 else "   "}) + "\n")
+    (root / "b.txt").write_text("\n\n".join(b) + "\n")
+    pq.write_table(pa.table({"text": c}), root / "c.parquet")
+    pa.csv.write_csv(pa.table({"id": list(range(len(d))), "text": d}), root / "d.csv")
+    return root, [t for i, t in enumerate(a) if i != 5] + b + c + d
+
+
+@pytest.fixture(scope="module")
+def tok(corpus):
+    return bpe_tokenizer(corpus[1])
+
+
+def _data(root: Path, **kw: object) -> DataConfig:
+    return DataConfig(path=str(root), streaming=True, seq_len=32, **kw)
+
+
+def test_streamed_blocks_are_the_prepared_paths_blocks_in_stream_order(corpus, tok):
+    root, _ = corpus
+    stream = BlockStream(_data(root), tok, 0, "fp")
+    blocks, end = stream.read(stream.start, 10**9)
+    assert end is None
+    prepared = tokenize_and_pack(list(load_texts(DataConfig(path=str(root)))), tok, 32)  # before its split
+    assert torch.equal(torch.from_numpy(np.stack(blocks)), prepared)
+
+
+def test_a_saved_dataset_streams_the_blocks_it_prepares(corpus, tok, tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_dict({"text": corpus[1][:400]}).save_to_disk(str(tmp_path / "saved"))
+    stream = BlockStream(_data(tmp_path / "saved"), tok, 0, "fp")
+    blocks, pos = stream.read(stream.start, 50)
+    rest, end = stream.read(pos, 10**9)
+    prepared = tokenize_and_pack(list(load_texts(DataConfig(path=str(tmp_path / "saved")))), tok, 32)
+    assert end is None and torch.equal(torch.from_numpy(np.stack(blocks + rest)), prepared)
+
+
+def test_a_position_mid_stream_continues_with_the_next_block(corpus, tok):
+    root, _ = corpus
+    stream = BlockStream(_data(root), tok, 0, "fp")
+    every, _ = stream.read(stream.start, 10**9)
+    for n in (1, 7, 40, len(every) - 1):  # inside a batch of records, across sources, at the last block
+        head, pos = stream.read(stream.start, n)
+        assert pos is not None and len(head) == n
+        rest, end = stream.read(json.loads(json.dumps(pos)), 10**9)  # as a checkpoint's state.json keeps it
+        assert end is None and all((x == y).all() for x, y in zip(head + rest, every, strict=True))
+
+
+def test_training_order_is_windowed_seeded_and_resumes_at_any_block(corpus, tok):
+    root, _ = corpus
+    data = _data(root, shuffle_buffer=16)
+    ref = BlockStream(data, tok, 3, "fp")
+    every = ref.read(ref.start, 10**9)[0]
+    n = len(every)
+    straight = ref.next_blocks(2 * n + 5)  # two epochs and a bit
+    # Each epoch is a permutation of the blocks, each window of 16 consecutive blocks permuted within itself.
+    first = straight[:n]
+    assert sorted(map(tuple, first.tolist())) == sorted(tuple(b.tolist()) for b in every)
+    assert torch.equal(first[:16].sort(0).values, torch.from_numpy(np.stack(every[:16])).sort(0).values)
+    assert not torch.equal(first, straight[n:2 * n])  # another epoch, another order
+    for cut in (3, 16, 21, n, n + 9):
+        a = BlockStream(data, tok, 3, "fp")
+        got = [a.next_blocks(cut)]
+        b = BlockStream(data, tok, 3, "fp")
+        b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+        got.append(b.next_blocks(2 * n + 5 - cut))
+        assert torch.equal(torch.cat(got), straight), cut
+    c = BlockStream(data, tok, 4, "fp")
+    with pytest.raises(CheckpointError, match="changed since the checkpoint"):
+        c.load_state_dict(ref.state_dict())
+
+
+def test_bad_combinations_and_formats_are_one_clear_line(tmp_path, tok):
+    for kw in ({"packing": "padding_free"}, {"train_on": "completion"}, {"path": None}, {"path": "hf:x/y"}):
+        with pytest.raises(ValueError, match="data.streaming: true streams plain text blocks"):
+            DataConfig(**{"path": str(tmp_path), "streaming": True, **kw})
+    chats = messages_jsonl(tmp_path / "chat.jsonl", 5)
+    stream = BlockStream(DataConfig(path=str(chats), streaming=True, seq_len=16), tok, 0, "fp")
+    with pytest.raises(DataError, match=r"chat.jsonl holds messages records; only plain text streams"):
+        stream.read(stream.start, 1)
+    holes = tmp_path / "holes.jsonl"
+    holes.write_text("".join(json.dumps({"text": None if i == 2 else f"t {i}"}) + "\n" for i in range(5)))
+    stream = BlockStream(DataConfig(path=str(holes), streaming=True, seq_len=16), tok, 0, "fp")
+    with pytest.raises(DataError, match=r"holes.jsonl, record 3: 'text' is missing"):
+        stream.read(stream.start, 1)
+
+
+def test_the_run_identity_names_streaming_only_when_it_is_on(tmp_path):
+    """Checkpoints saved before data.streaming existed still resume; a streamed run resumes only as one."""
+    from memfit.config import MemfitConfig
+    from memfit.run_context import run_identity
+
+    plain = run_identity(MemfitConfig())["data"]
+    assert "streaming" not in plain and "shuffle_buffer" not in plain
+    streamed = run_identity(MemfitConfig(data={"path": str(tmp_path), "streaming": True, "shuffle_buffer": 8}))
+    assert streamed["data"]["streaming"] is True and streamed["data"]["shuffle_buffer"] == 8
