@@ -24,7 +24,8 @@ from memfit.memory.estimator.compose import (
     extrapolate_static,
 )
 from memfit.memory.estimator.step import host_bytes as optimizer_host_bytes
-from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, op_cost_model, run_step
+from memfit.memory.estimator.clock import host_copy_seconds, op_cost_model
+from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step
 from memfit.memory.estimator.tracker import Segment, StepTracker
 from memfit.memory.techniques.policies import BLOCK_KINDS, OFFLOAD_EMULATION, assign_blocks, find_blocks
 from memfit.models.experts import traceable_experts
@@ -345,7 +346,8 @@ class Estimator:
             if len(blocks) != n_proxy:
                 raise ConfigError(f"memory.block_class: found {len(blocks)} blocks in a {n_proxy}-layer model; "
                                   "name the class of one decoder layer")
-            tracker = StepTracker(blocks, op_seconds=op_cost_model(self.profile))
+            tracker = StepTracker(blocks, op_seconds=op_cost_model(self.profile),
+                                  host_seconds=host_copy_seconds(self.profile))
             assign_blocks(model, [kind] * n_proxy, block_class=self.block_class, save_ops=self.save_ops)
             tracker.track_external(model)
             with mode:
