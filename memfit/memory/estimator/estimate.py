@@ -14,6 +14,7 @@ import torch
 
 from memfit.config.devices import DeviceProfile
 from memfit.errors import ConfigError
+from memfit.memory.estimator.clock import host_copy_seconds, op_cost_model
 from memfit.memory.estimator.compose import (
     PROXY_BLOCKS,
     Estimate,
@@ -24,7 +25,6 @@ from memfit.memory.estimator.compose import (
     extrapolate_static,
 )
 from memfit.memory.estimator.step import host_bytes as optimizer_host_bytes
-from memfit.memory.estimator.clock import host_copy_seconds, op_cost_model
 from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step
 from memfit.memory.estimator.tracker import Segment, StepTracker
 from memfit.memory.techniques.policies import BLOCK_KINDS, OFFLOAD_EMULATION, assign_blocks, find_blocks

@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.config.devices import DeviceProfile
-from memfit.memory.estimator.tracker import HOST, StepTracker, tensors_of
+from memfit.memory.estimator.tracker import HOST, StepTracker
 from memfit.memory.techniques.loss import Batch, LossPolicy, PlainLoss
 from memfit.memory.techniques.optim import StepInBackward, make_adamw, param_groups
 
