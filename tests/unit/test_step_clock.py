@@ -125,3 +125,16 @@ def test_a_cuda_target_keeps_room_for_the_estimators_bias() -> None:
     budget = 24e9
     limit = budget * (1 - fit_margin(0.05, "cuda"))
     assert limit * (1 + CUDA_ESTIMATE_UNDER) == pytest.approx(budget * 0.95)
+
+
+def test_emulated_optimizer_steps_are_charged() -> None:
+    """The variants the trace emulates (no kernels on fake tensors) are not free: 8-bit AdamW a memory-bound pass,
+    the CPU-offloaded one the host link both ways."""
+    from memfit.memory.estimator.clock import emulated_step_seconds
+
+    h200 = get_profile("h200")
+    params = [(1_000_000_000, 4)]  # 1 B fp32 trainable values
+    assert emulated_step_seconds("adamw-cpu-offload", params, h200) == pytest.approx(8e9 / h200.host_bandwidth)
+    eight = emulated_step_seconds("adamw-8bit", params, h200)
+    assert eight == pytest.approx(16e9 / (h200.bandwidth * h200.bandwidth_efficiency) + h200.op_overhead_s)
+    assert emulated_step_seconds("adamw-fused", params, h200) == 0.0  # traced: its own kernels are charged

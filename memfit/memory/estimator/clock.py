@@ -90,3 +90,17 @@ def host_copy_seconds(profile: DeviceProfile) -> Callable[[int], float]:
         return nbytes / rate
 
     return seconds
+
+
+def emulated_step_seconds(kind: str, params: list[tuple[int, int]], profile: DeviceProfile) -> float:
+    """A step of an AdamW variant the trace only emulates (EmulatedAdamW: its kernels cannot run on fake tensors, so
+    the trace charges nothing) over trainable `params` (numel, bytes per value). adamw-8bit: one memory-bound pass a
+    parameter (it read and written, its gradient read, two 8-bit moments read and written) and a launch;
+    adamw-cpu-offload: each gradient to the host and each parameter back across the host link (the host's own AdamW
+    overlaps those copies: not charged). Not measured on a GPU yet (the 2026-12-04 H200 run had neither)."""
+    if kind == "adamw-8bit":
+        rate = profile.bandwidth * profile.bandwidth_efficiency
+        return sum((3 * size + 4) * n / rate + profile.op_overhead_s for n, size in params)
+    if kind == "adamw-cpu-offload":
+        return host_copy_seconds(profile)(sum(2 * n * size for n, size in params))
+    return 0.0

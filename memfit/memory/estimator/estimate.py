@@ -14,7 +14,7 @@ import torch
 
 from memfit.config.devices import DeviceProfile
 from memfit.errors import ConfigError
-from memfit.memory.estimator.clock import host_copy_seconds, op_cost_model
+from memfit.memory.estimator.clock import emulated_step_seconds, host_copy_seconds, op_cost_model
 from memfit.memory.estimator.compose import (
     PROXY_BLOCKS,
     Estimate,
@@ -293,8 +293,12 @@ class Estimator:
         from memfit.models.quantization import logical_param_count
 
         params = list(model.parameters())
+        seconds = opt_seg.seconds
+        if not stack.optimizer_in_backward:
+            seconds += emulated_step_seconds(stack.optimizer, [(p.numel(), p.element_size()) for p in params
+                                                               if p.requires_grad], self.profile)
         return StaticTrace(n_blocks=depth, before_opt=before, after_opt=after, opt_peak=opt_peak,
-                           opt_seconds=opt_seg.seconds, n_params=logical_param_count(model),
+                           opt_seconds=seconds, n_params=logical_param_count(model),
                            n_trainable=sum(p.numel() for p in params if p.requires_grad),
                            weight_bytes=sum(p.numel() * p.element_size() for p in params),
                            host_bytes=optimizer_host_bytes(optimizer))
