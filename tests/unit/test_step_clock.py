@@ -138,3 +138,19 @@ def test_emulated_optimizer_steps_are_charged() -> None:
     eight = emulated_step_seconds("adamw-8bit", params, h200)
     assert eight == pytest.approx(16e9 / (h200.bandwidth * h200.bandwidth_efficiency) + h200.op_overhead_s)
     assert emulated_step_seconds("adamw-fused", params, h200) == 0.0  # traced: its own kernels are charged
+
+
+def test_lean_layers_compete_on_time_only_beside_the_same_stacks() -> None:
+    """Once a tier fits with recompute, the tier after it joins the race only when it is the same stacks with lean
+    layers (they may let fewer blocks recompute); another optimizer, LoRA or precision stays a fallback."""
+    from dataclasses import replace
+
+    from memfit.memory.estimator.compose import Stack
+    from memfit.memory.planner.search import lean_rival
+
+    tier = [Stack("bf16-mixed", 4, 1, False, loss="plain", optimizer="adamw-fused")]
+    lean = [replace(s, lean_layers=True) for s in tier]
+    assert lean_rival(tier, [lean])
+    assert not lean_rival(tier, [[replace(s, optimizer="adamw-8bit") for s in tier]])
+    assert not lean_rival(tier, [[replace(s, lora=True, lean_layers=True) for s in tier]])
+    assert not lean_rival(lean, [lean]) and not lean_rival(tier, [])

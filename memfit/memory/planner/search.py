@@ -186,7 +186,10 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
                       safety_margin=margin, budget_source=source, fixed_policy=fixed_policy)
     seen: list[Estimate] = []
     plan: Plan | None = None
-    for tier in tiers:
+    last: int | None = None  # the index of the last tier to search, once one fits
+    for i, tier in enumerate(tiers):
+        if last is not None and i > last:
+            break
         ordered = sorted(tier, key=lambda s: -s.micro_batch_size)
         if limit is not None:
             # What no activation can lower: weights and optimizer state (gradients too unless stepped in
@@ -209,8 +212,12 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         plan = choose(seen, budget, configured=configured, baseline=baseline,
                       safety_margin=margin, budget_source=source,
                       fixed_policy=fixed_policy, measured=measured)
-        if plan.fits:
-            break
+        if plan.fits and last is None:
+            # The same stacks with lean layers may fit with fewer blocks recomputed, a faster step despite their
+            # few extra ops: where this tier needs recompute, that tier competes on time too, then the search ends.
+            last = i + 1 if fixed_policy is None and lean_rival(tier, tiers[i + 1:i + 2]) else i
+            if last == i:
+                break
     if plan is None:  # every tier's weights exceed the budget: say so for the leanest of them
         plan = choose([baseline], budget, configured=configured, baseline=baseline,
                       safety_margin=margin, budget_source=source,
@@ -218,6 +225,14 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     log.info("memory planner: %d candidates over %d blocks in %.1f s (traces %.1f s)", len(seen), n,
              time.perf_counter() - t0, est.trace_seconds)
     return plan
+
+
+def lean_rival(tier: list[Stack], following: list[list[Stack]]) -> bool:
+    """Whether the tier after `tier` holds its stacks with lean layers (memory.lean_layers auto), the rest alike."""
+    if not tier or not following or not following[0]:
+        return False
+    a, b = tier[0], following[0][0]
+    return not a.lean_layers and b.lean_layers and replace(a, lean_layers=True) == b
 
 
 def _floor(est: Estimator, stack: Stack) -> int:
