@@ -146,7 +146,7 @@ def test_lean_layers_compete_on_time_only_beside_the_same_stacks() -> None:
     from dataclasses import replace
 
     from memfit.memory.estimator.compose import Stack
-    from memfit.memory.planner.search import lean_rival
+    from memfit.memory.planner.candidates import lean_rival
 
     tier = [Stack("bf16-mixed", 4, 1, False, loss="plain", optimizer="adamw-fused")]
     lean = [replace(s, lean_layers=True) for s in tier]

@@ -60,6 +60,14 @@ def lean_layer_fallbacks(cfg: Any) -> list[bool]:
     return [False, True] if m == "auto" else [m]
 
 
+def lean_rival(tier: list[Stack], following: list[list[Stack]]) -> bool:
+    """Whether the tier after `tier` holds its stacks with lean layers (memory.lean_layers auto), the rest alike."""
+    if not tier or not following or not following[0]:
+        return False
+    a, b = tier[0], following[0][0]
+    return not a.lean_layers and b.lean_layers and replace(a, lean_layers=True) == b
+
+
 def optimizer_fallbacks(cfg: Any, profile: DeviceProfile) -> list[str]:
     """memory.optimizer as set, or under auto the default one, then the leaner ones this target can run."""
     import importlib.util

@@ -18,6 +18,7 @@ from memfit.memory.planner.candidates import (
     adapter_rows,
     configured_stack,
     lean_layer_fallbacks,
+    lean_rival,
     lora_fallbacks,
     no_bf16_precision,
     optimizer_fallbacks,
@@ -225,14 +226,6 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     log.info("memory planner: %d candidates over %d blocks in %.1f s (traces %.1f s)", len(seen), n,
              time.perf_counter() - t0, est.trace_seconds)
     return plan
-
-
-def lean_rival(tier: list[Stack], following: list[list[Stack]]) -> bool:
-    """Whether the tier after `tier` holds its stacks with lean layers (memory.lean_layers auto), the rest alike."""
-    if not tier or not following or not following[0]:
-        return False
-    a, b = tier[0], following[0][0]
-    return not a.lean_layers and b.lean_layers and replace(a, lean_layers=True) == b
 
 
 def _floor(est: Estimator, stack: Stack) -> int:
