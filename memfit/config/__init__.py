@@ -228,8 +228,9 @@ class MemoryConfig(_Section):
         "auto", description="SwiGLU MLPs and Llama-style RMSNorms (Llama, Mistral, Qwen2/3...) as memory-lean "
         "autograd functions: the MLP saves its two projections, not the activation too, and its backward writes "
         "the gradients into them; the norm saves its 16-bit input, not an fp32 copy. Same math; layers of "
-        "other shapes are left as they are. auto: the planner's fallback, tried in a tier that fits nowhere without "
-        "them (memory.policy auto, or lora.enabled auto); off under a fixed policy.")
+        "other shapes are left as they are. auto: tried by the planner in a tier that fits nowhere without them, and "
+        "beside a tier that fits only with recompute (where they may let fewer blocks recompute, the faster wins) "
+        "(memory.policy auto, or lora.enabled auto); off under a fixed policy.")
 
     @field_validator("device")
     @classmethod

@@ -14,6 +14,7 @@ import torch
 
 from memfit.config.devices import DeviceProfile
 from memfit.errors import ConfigError
+from memfit.memory.estimator.clock import emulated_step_seconds, host_copy_seconds, op_cost_model
 from memfit.memory.estimator.compose import (
     PROXY_BLOCKS,
     Estimate,
@@ -24,7 +25,7 @@ from memfit.memory.estimator.compose import (
     extrapolate_static,
 )
 from memfit.memory.estimator.step import host_bytes as optimizer_host_bytes
-from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, op_cost_model, run_step
+from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step
 from memfit.memory.estimator.tracker import Segment, StepTracker
 from memfit.memory.techniques.policies import BLOCK_KINDS, OFFLOAD_EMULATION, assign_blocks, find_blocks
 from memfit.models.experts import traceable_experts
@@ -292,8 +293,12 @@ class Estimator:
         from memfit.models.quantization import logical_param_count
 
         params = list(model.parameters())
+        seconds = opt_seg.seconds
+        if not stack.optimizer_in_backward:
+            seconds += emulated_step_seconds(stack.optimizer, [(p.numel(), p.element_size()) for p in params
+                                                               if p.requires_grad], self.profile)
         return StaticTrace(n_blocks=depth, before_opt=before, after_opt=after, opt_peak=opt_peak,
-                           opt_seconds=opt_seg.seconds, n_params=logical_param_count(model),
+                           opt_seconds=seconds, n_params=logical_param_count(model),
                            n_trainable=sum(p.numel() for p in params if p.requires_grad),
                            weight_bytes=sum(p.numel() * p.element_size() for p in params),
                            host_bytes=optimizer_host_bytes(optimizer))
@@ -345,7 +350,8 @@ class Estimator:
             if len(blocks) != n_proxy:
                 raise ConfigError(f"memory.block_class: found {len(blocks)} blocks in a {n_proxy}-layer model; "
                                   "name the class of one decoder layer")
-            tracker = StepTracker(blocks, op_seconds=op_cost_model(self.profile))
+            tracker = StepTracker(blocks, op_seconds=op_cost_model(self.profile),
+                                  host_seconds=host_copy_seconds(self.profile))
             assign_blocks(model, [kind] * n_proxy, block_class=self.block_class, save_ops=self.save_ops)
             tracker.track_external(model)
             with mode:

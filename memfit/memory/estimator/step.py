@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.config.devices import DeviceProfile
-from memfit.memory.estimator.tracker import HOST, StepTracker, tensors_of
+from memfit.memory.estimator.tracker import HOST, StepTracker
 from memfit.memory.techniques.loss import Batch, LossPolicy, PlainLoss
 from memfit.memory.techniques.optim import StepInBackward, make_adamw, param_groups
 
@@ -166,24 +165,3 @@ def run_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, batches:
     if tracker is not None:
         tracker.phase("idle")
 
-
-def op_cost_model(profile: DeviceProfile) -> Callable[[Any, tuple, dict, Any], float]:
-    """Seconds per op on `profile`: a roofline (FLOPs at peak, or bytes at memory bandwidth) plus launch cost."""
-    from torch.utils.flop_counter import flop_registry
-
-    def op_seconds(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
-        if getattr(func, "is_view", False):
-            return 0.0  # views launch no kernel
-        flops = 0
-        formula = flop_registry.get(func.overloadpacket)
-        if formula is not None:
-            try:
-                flops = formula(*args, **kwargs, out_val=out)
-            except Exception:  # noqa: BLE001 - a formula that does not cover an overload: count its bytes only
-                flops = 0
-        ts = tensors_of(args, kwargs, out)
-        nbytes = sum(t.numel() * t.element_size() for t in ts)
-        dtype = str(ts[0].dtype).removeprefix("torch.") if ts else "float32"
-        return max(flops / profile.flops_per_s(dtype), nbytes / profile.bandwidth) + profile.op_overhead_s
-
-    return op_seconds

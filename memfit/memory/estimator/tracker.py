@@ -118,11 +118,13 @@ class StepTracker(MemTracker):
     """
 
     def __init__(self, blocks: list[nn.Module] | tuple[nn.Module, ...] = (),
-                 op_seconds: Callable[[Any, tuple, dict, Any], float] | None = None) -> None:
+                 op_seconds: Callable[[Any, tuple, dict, Any], float] | None = None,
+                 host_seconds: Callable[[int], float] | None = None) -> None:
         super().__init__()
         self._block_index = {id(b): i for i, b in enumerate(blocks)}
         self._n_blocks = len(blocks)
         self._op_seconds = op_seconds
+        self._host_seconds = host_seconds  # an offloaded tensor's trip across the host link, each way
         self._prefix = ""
         self._phase = "idle"
         self._open: _Open | None = None
@@ -191,12 +193,18 @@ class StepTracker(MemTracker):
         def pack(t: torch.Tensor) -> torch.Tensor:
             if t.device.type != "meta":
                 self.move_to_host(t)
+                self._charge_host(t)
             return t
 
         def unpack(t: torch.Tensor) -> torch.Tensor:
+            self._charge_host(t)
             return t.clone()  # the host-to-device copy backward makes
 
         return pack, unpack
+
+    def _charge_host(self, t: torch.Tensor) -> None:
+        if self._host_seconds is not None and self._open is not None:
+            self._open.seconds += self._host_seconds(t.numel() * t.element_size())
 
     # -- segments -----------------------------------------------------------------------------------------
     def mark(self, label: str) -> None:

@@ -20,12 +20,17 @@ TECHNIQUE_CHOICES: dict[str, tuple[Any, ...]] = {"loss": ("plain", "chunked"),
 LEAN_OPTIMIZERS = ("adamw-8bit", "adamw-cpu-offload")
 
 
-def technique_choices(cfg: Any) -> dict[str, tuple[Any, ...]]:
-    """TECHNIQUE_CHOICES for the fields this config leaves to the planner (memory.* set to auto)."""
+def technique_choices(cfg: Any, profile: DeviceProfile | None = None) -> dict[str, tuple[Any, ...]]:
+    """TECHNIQUE_CHOICES for the fields this config leaves to the planner (memory.* set to auto); the fused loss
+    too for a CUDA target where liger-kernel is installed (a plan made on a CPU for a GPU assumes the GPU's
+    environment is this one's: without liger here, plain or chunked)."""
+    from memfit.memory.techniques.fused_loss import fused_unavailable
+
     m = cfg.memory
     out: dict[str, tuple[Any, ...]] = {}
     if m.loss == "auto" and cfg.distributed.world_size == 1:  # chunked runs in one process only
-        out["loss"] = TECHNIQUE_CHOICES["loss"]
+        fused = profile is not None and fused_unavailable(profile.kind) is None
+        out["loss"] = TECHNIQUE_CHOICES["loss"] + (("fused",) if fused else ())
     # The step in backward needs every gradient of the step at once for a global clip: only without one.
     if m.optimizer_in_backward == "auto" and cfg.train.max_grad_norm is None and cfg.distributed.world_size == 1:
         out["optimizer_in_backward"] = TECHNIQUE_CHOICES["optimizer_in_backward"]
@@ -53,6 +58,14 @@ def lean_layer_fallbacks(cfg: Any) -> list[bool]:
     a few in-place ops per layer, and trying them only where a tier fits nowhere without keeps the search small."""
     m = cfg.memory.lean_layers
     return [False, True] if m == "auto" else [m]
+
+
+def lean_rival(tier: list[Stack], following: list[list[Stack]]) -> bool:
+    """Whether the tier after `tier` holds its stacks with lean layers (memory.lean_layers auto), the rest alike."""
+    if not tier or not following or not following[0]:
+        return False
+    a, b = tier[0], following[0][0]
+    return not a.lean_layers and b.lean_layers and replace(a, lean_layers=True) == b
 
 
 def optimizer_fallbacks(cfg: Any, profile: DeviceProfile) -> list[str]:

@@ -10,6 +10,18 @@ from memfit.memory.estimator.compose import Estimate, Stack
 from memfit.memory.techniques.policies import mixed_kinds
 
 GB = 1e9
+# The estimator on CUDA is a little under the caching allocator's peak, by up to 3.2 % (FACTS.md "GPU, measured
+# 2026-12-04", est/real on an H200: 0.998, 0.997, 0.969, 0.993, 0.989): a CUDA target's limit keeps that much more
+# free, so that a plan that fits does not OOM. Applied through fit_margin only.
+CUDA_ESTIMATE_UNDER = 0.032
+
+
+def fit_margin(safety_margin: float, device_kind: str) -> float:
+    """The share of the budget a plan leaves free: memory.safety_margin, and on a CUDA target room on top of it for
+    the estimator's measured bias (the estimate x 1.032 must fit what the safety margin leaves)."""
+    if device_kind != "cuda":
+        return safety_margin
+    return 1.0 - (1.0 - safety_margin) / (1.0 + CUDA_ESTIMATE_UNDER)
 
 
 def assignments(n: int, kinds: Sequence[str] = ("none", "selective", "full"), max_levels: int = 33
@@ -211,14 +223,15 @@ def _why(plan: Plan, e: Estimate, fixed_policy: str | None) -> str:
             else f"fastest stack that fits: {describe(e)}")
     stopped = "".join(f"; leaner than {m.label()}, which measured {m.measured_bytes / GB:.4g} GB at step {m.step} "
                       f"> limit {m.limit_bytes / GB:.4g} GB ({m.limit_source})" for m in plan.measured)
-    return (f"{head}; predicted peak {e.peak_bytes / GB:.4g} GB vs {budget}; predicted step time "
-            f"{plan.overhead(e) * 100:+.1f}% vs no checkpointing{stopped}")
+    return (f"{head}; predicted peak {e.peak_bytes / GB:.4g} GB vs {budget}; predicted step "
+            f"{e.step_seconds:.3g} s, {plan.overhead(e) * 100:+.1f}% vs the configured stack without "
+            f"checkpointing{stopped}")
 
 
 def plan_table_markdown(plan: Plan) -> str:
     """The candidate table, chosen first, as Markdown (MLflow artifact, Prefect artifact, CLI)."""
     rows = ["| | policy | blocks | precision | micro x accum | LoRA | loss / optimizer | peak GB | activations GB | "
-            "overhead | fits |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "step s | overhead | fits |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in plan.table:
         r = plan.row(e)
         blocks = ", ".join(f"{v} {k}" for k, v in r["blocks"].items())
@@ -227,7 +240,7 @@ def plan_table_markdown(plan: Plan) -> str:
         rows.append(f"| {mark} | {policy} | {blocks} | {e.stack.precision} | {e.stack.micro_batch_size} x "
                     f"{e.stack.grad_accum_steps} | {_lora_cell(e.stack)} | {_technique_cell(e.stack)} | "
                     f"{e.peak_bytes / GB:.4g} | "
-                    f"{e.activation_bytes / GB:.4g} | {r['predicted_overhead'] * 100:+.1f}% | "
+                    f"{e.activation_bytes / GB:.4g} | {e.step_seconds:.3g} | {r['predicted_overhead'] * 100:+.1f}% | "
                     f"{'yes' if r['fits'] else 'no: ' + r['excluded'] if 'excluded' in r else 'no'} |")
     chosen = plan.chosen or (plan.table[0] if plan.table else None)
     if chosen is not None and "reference" in chosen.extra:  # train.objective dpo: the rows are pairs x 2

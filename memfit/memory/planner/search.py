@@ -18,6 +18,7 @@ from memfit.memory.planner.candidates import (
     adapter_rows,
     configured_stack,
     lean_layer_fallbacks,
+    lean_rival,
     lora_fallbacks,
     no_bf16_precision,
     optimizer_fallbacks,
@@ -25,7 +26,7 @@ from memfit.memory.planner.candidates import (
     technique_variants,
     techniques,
 )
-from memfit.memory.planner.plan import MeasuredPeak, Plan, assignments, choose, measured_reason
+from memfit.memory.planner.plan import MeasuredPeak, Plan, assignments, choose, fit_margin, measured_reason
 from memfit.memory.techniques.policies import make_policy
 from memfit.models.experts import model_param_counts
 
@@ -124,7 +125,7 @@ def candidate_tiers(cfg: Any, profile: DeviceProfile) -> list[list[Stack]]:
     t = cfg.train
     precisions = [t.precision] + [p for p in cfg.memory.allow_precisions if p != t.precision]
     precisions = [p for p in precisions if profile.bf16 or not p.startswith("bf16")] or [no_bf16_precision(t.precision)]
-    choices = technique_choices(cfg)
+    choices = technique_choices(cfg, profile)
     tiers = []
     for lora, quantize in lora_fallbacks(cfg.lora):
         for precision in precisions:
@@ -145,6 +146,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     t0 = time.perf_counter()
     est = estimator or make_estimator(cfg, profile, hf_config)
     n = est.n_blocks
+    margin = fit_margin(cfg.memory.safety_margin, profile.kind)
     configured = configured_stack(cfg, lora=cfg.lora.enabled is True)
     if not profile.bf16:
         configured = replace(configured, precision=no_bf16_precision(configured.precision))
@@ -157,20 +159,24 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
                               "use 'full' or 'selective'")
         fixed = policy_kinds(cfg, n, policy)
         chosen = est.estimate(configured, fixed)
-        limit = None if budget is None else budget * (1.0 - cfg.memory.safety_margin)
+        limit = None if budget is None else budget * (1.0 - margin)
         if cfg.lora.enabled != "auto" or ((limit is None or chosen.peak_bytes <= limit)
                                           and measured_reason(chosen, measured) is None):
             return choose([chosen], budget, configured=configured, baseline=baseline,
-                          safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=policy,
+                          safety_margin=margin, budget_source=source, fixed_policy=policy,
                           measured=measured)
         every, fixed_policy = [fixed], policy
     else:
         fixed_policy = None
-        limit = None if budget is None else budget * (1.0 - cfg.memory.safety_margin)
+        limit = None if budget is None else budget * (1.0 - margin)
         if (limit is None or baseline.peak_bytes <= limit) and measured_reason(baseline, measured) is None:
-            # No recompute and the configured micro-batch fit: nothing can be faster, nothing else to trace.
-            return choose([baseline], budget, configured=configured, baseline=baseline,
-                          safety_margin=cfg.memory.safety_margin, budget_source=source, measured=measured)
+            # No recompute and the configured micro-batch fit: no checkpointing or smaller micro-batch can be
+            # faster, but the loss and the step may (plain's logits in one go beat chunked's recomputed head by 1.26x
+            # on an H200): those variants without checkpointing compete on time, the fastest that fits wins.
+            variants = {est.resolved(v) for v in technique_variants(configured, technique_choices(cfg, profile))}
+            rivals = [est.estimate(v, ("none",) * n) for v in sorted(variants - {baseline.stack}, key=repr)]
+            return choose([baseline, *rivals], budget, configured=configured, baseline=baseline,
+                          safety_margin=margin, budget_source=source, measured=measured)
         kinds = ("none", "selective", "full") + (("offload",) if profile.kind == "cuda" else ())
         every = assignments(n, kinds)
     tiers = candidate_tiers(cfg, profile)
@@ -178,10 +184,13 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     if budget is not None and baseline.weight_bytes > budget and len(holds) == 1:
         # The weights alone exceed the budget and no fallback holds them smaller: nothing can fit.
         return choose([baseline], budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source, fixed_policy=fixed_policy)
+                      safety_margin=margin, budget_source=source, fixed_policy=fixed_policy)
     seen: list[Estimate] = []
     plan: Plan | None = None
-    for tier in tiers:
+    last: int | None = None  # the index of the last tier to search, once one fits
+    for i, tier in enumerate(tiers):
+        if last is not None and i > last:
+            break
         ordered = sorted(tier, key=lambda s: -s.micro_batch_size)
         if limit is not None:
             # What no activation can lower: weights and optimizer state (gradients too unless stepped in
@@ -193,7 +202,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         firsts = [s for s in ordered if s.micro_batch_size == top]
         seen += [est.estimate(first, k) for first in firsts for k in every]
         plan = choose(seen, budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source,
+                      safety_margin=margin, budget_source=source,
                       fixed_policy=fixed_policy, measured=measured)
         # Under the step-time model a smaller micro-batch never beats the same policy at a larger one, so
         # they matter only when the largest micro-batch needs recompute (or does not fit at all).
@@ -202,13 +211,17 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         for stack in ordered[len(firsts):]:
             seen += [est.estimate(stack, k) for k in every]
         plan = choose(seen, budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source,
+                      safety_margin=margin, budget_source=source,
                       fixed_policy=fixed_policy, measured=measured)
-        if plan.fits:
-            break
+        if plan.fits and last is None:
+            # The same stacks with lean layers may fit with fewer blocks recomputed, a faster step despite their
+            # few extra ops: where this tier needs recompute, that tier competes on time too, then the search ends.
+            last = i + 1 if fixed_policy is None and lean_rival(tier, tiers[i + 1:i + 2]) else i
+            if last == i:
+                break
     if plan is None:  # every tier's weights exceed the budget: say so for the leanest of them
         plan = choose([baseline], budget, configured=configured, baseline=baseline,
-                      safety_margin=cfg.memory.safety_margin, budget_source=source,
+                      safety_margin=margin, budget_source=source,
                       fixed_policy=fixed_policy, measured=measured)
     log.info("memory planner: %d candidates over %d blocks in %.1f s (traces %.1f s)", len(seen), n,
              time.perf_counter() - t0, est.trace_seconds)
@@ -245,7 +258,7 @@ def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None
         e = plan.chosen or min(plan.table, key=lambda x: x.peak_bytes)
     else:
         e = estimate_policy(cfg, profile, cfg.memory.policy, estimator=est)
-    limit = None if budget is None else int(budget * (1 - cfg.memory.safety_margin))
+    limit = None if budget is None else int(budget * (1 - fit_margin(cfg.memory.safety_margin, profile.kind)))
     counts = model_param_counts(est.hf_config, est.base_model())  # the meta build the estimator holds
     return {
         "params_total": counts["total"], "params_active": counts["active"],
@@ -369,7 +382,7 @@ def max_seq_report(cfg: Any, device: str | None = None, budget_gb: float | None 
     plan = plan_for(cfg, profile, budget, source, estimator=est)
     stack_est = plan.chosen or min(plan.table, key=lambda x: x.peak_bytes)
     stack, kinds = longest_context_stack(cfg, profile, stack_est, int(getattr(hf_config, "vocab_size", 0) or 0))
-    limit = int(budget * (1 - cfg.memory.safety_margin))
+    limit = int(budget * (1 - fit_margin(cfg.memory.safety_margin, profile.kind)))
     hi = next(int(m.le) for m in DataConfig.model_fields["seq_len"].metadata if getattr(m, "le", None))
     t0 = time.perf_counter()
     seq, best = longest_seq_len(est, stack, kinds, limit, hi)
