@@ -369,8 +369,13 @@ def test_a_run_stopped_at_the_memory_limit_restarts_with_a_leaner_stack_and_comp
         b.stop()
     record = json.loads(s3.get_object(Bucket=bucket, Key=f"{run}/memory-limits.json")["Body"].read())["records"]
     assert [r["kinds"] for r in record] == [["none", "none"]] and record[0]["measured_bytes"] > limit
-    assert "`none`" not in leaner and "leaner than none, fp32, micro-batch 8x2, which measured" in leaner, leaner
-    assert "no: measured" in leaner  # the candidate table says why the first stack is out
+    assert "leaner than none, fp32, micro-batch 8x2, which measured" in leaner, leaner
+    # The candidate table says why the stack that stopped is out, and the restart chose another (a checkpointing
+    # policy, or the same blocks with lean layers: whichever is fastest once scaled by what the first one measured).
+    rows = [line for line in leaner.splitlines() if line.startswith("| ")]
+    stopped = "| none | 2 none | fp32 | 8 x 2 | no | plain / adamw |"
+    assert any(stopped in r and "no: measured" in r for r in rows), leaner
+    assert not any(stopped in r for r in rows if r.startswith("| **chosen**")), leaner
     client = MlflowClient(cluster["tracking"])
     exp = client.get_experiment_by_name("recovery-e2e")
     [mlrun] = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{run}'")
