@@ -67,14 +67,19 @@ def test_logging_and_loading_the_pyfunc_model_warns_nothing(tmp_path, mlflow_uri
     assert len(_type_hint_advice(caught)) == 1
 
 
-# In a process of its own: whether bitsandbytes is imported is a fact about the whole process.
-LORA_THEN_NF4 = r"""
-import json, logging, sys, warnings
+# The scripts below collect every warning logged in their process.
+KEEP_WARNINGS = r"""
+import logging
 records = []
 class Keep(logging.Handler):
     def emit(self, record):
         records.append(f"{record.name}: {record.getMessage()}")
 logging.getLogger().addHandler(Keep(level=logging.WARNING))
+"""
+
+# In a process of its own: whether bitsandbytes is imported is a fact about the whole process.
+LORA_THEN_NF4 = KEEP_WARNINGS + r"""
+import json, sys, warnings
 from types import SimpleNamespace
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -116,13 +121,7 @@ def test_a_lora_model_imports_no_bitsandbytes_and_nf4_logs_no_hub_kernel_notice(
         assert not [r for r in out["nf4"]["logs"] if "gemm_4bit_forward" in r], out["nf4"]["logs"]
 
 
-ADAMW_8BIT = r"""
-import logging
-records = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        records.append(f"{record.name}: {record.getMessage()}")
-logging.getLogger().addHandler(Keep(level=logging.WARNING))
+ADAMW_8BIT = KEEP_WARNINGS + r"""
 import torch
 from memfit.memory.techniques.optim import make_adamw
 optimizer = make_adamw(torch.nn.Linear(8, 8), 1e-3, 0.0, kind="adamw-8bit")
