@@ -41,8 +41,12 @@ class ExportConfig(Section):
         "plus onnx and adapter as export.onnx and export.adapter say (their older spelling, kept in step).")
     gguf_quants: list[GgufQuant] = Field(
         default_factory=lambda: ["f16", "q8_0"], min_length=1, description="GGUF files written to export.dir/gguf: "
-        "f16 (the gguf package, llama.cpp's tensor names), q8_0 and q4_k_m (llama.cpp's own quantizer from the f16 "
+        "f16 (llama.cpp's own convert_hf_to_gguf.py), q8_0 and q4_k_m (llama.cpp's own quantizer from the f16 "
         "file). The Modelfile's FROM is the first quantized one listed, else f16.")
+    gguf_converter: str | None = Field(
+        None, description="A folder holding llama.cpp's convert_hf_to_gguf.py (with its conversion/ and gguf-py/, "
+        "e.g. a llama.cpp checkout) to write the f16 GGUF with. Unset: $MEMFIT_GGUF_CONVERTER, else the one "
+        "`memfit gguf-converter install` put beside the packages (from the pinned llama-cpp-python sdist).")
     gguf_min_top1: GgufMinTop1 = Field(default_factory=lambda: GgufMinTop1(), description="Per GGUF file: the "
                                        "min top-1 agreement with transformers that verification accepts.")
     onnx: bool = Field(True, description="Also export and verify ONNX (the same as listing onnx in export.formats).")

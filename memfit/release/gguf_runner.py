@@ -1,4 +1,4 @@
-"""Runs one of llama.cpp's converter scripts with its own gguf-py, and memfit's pre-tokenizer name as a fallback."""
+"""Runs one of llama.cpp's converter scripts with its own gguf-py, and memfit's fallbacks around it (never in it)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import runpy
 import sys
 from pathlib import Path
 
+# Each fallback below wraps a converter function and only acts where the converter itself gives up (an exception,
+# a missing key, a score it cannot know): a folder the converter handles is converted exactly as llama.cpp would.
+# The export's verification (token ids, greedy tokens, top-1 agreement in llama.cpp) judges the result either way.
 
-def _with_fallback(pre: str):
+
+def _pre_tokenizer_fallback(base, pre: str) -> None:
     """convert_hf_to_gguf.py names a BPE pre-tokenizer by hashing a sample's tokens against the hub tokenizers it
     lists; a tokenizer trained by the team (or newer than the converter) is in no list and the converter stops.
-    memfit names it from tokenizer.json's own pre-tokenizer instead (memfit.release.gguf_vocab), and the export's
-    verification compares llama.cpp's token ids with the tokenizer's, so a wrong name cannot pass unnoticed."""
-    from conversion import base
-
+    memfit names it from tokenizer.json's own pre-tokenizer instead (memfit.release.gguf_vocab)."""
     known = base.TextModel.get_vocab_base_pre
 
     def get_vocab_base_pre(self, tokenizer) -> str:
@@ -28,13 +29,99 @@ def _with_fallback(pre: str):
     base.TextModel.get_vocab_base_pre = get_vocab_base_pre
 
 
+def _vocab_fallback(conversion, base) -> None:
+    """Some families' set_vocab reads only SentencePiece's tokenizer.model (Gemma 2, Phi-3 unless its
+    tokenizer_config names GPT2Tokenizer), as their released models ship one; a model fine-tuned with a tokenizer
+    of its own has only tokenizer.json. Where set_vocab fails for want of tokenizer.model, the vocabulary is
+    written as the converter writes any tokenizer.json: byte-level BPE as "gpt2", byte-fallback BPE as "llama"."""
+    from memfit.release.gguf_vocab import byte_fallback, tokenizer_doc
+
+    lookup = conversion.get_model_class
+
+    def get_model_class(*args, **kwargs):
+        model_class = lookup(*args, **kwargs)
+        own = model_class.set_vocab
+        if getattr(own, "_memfit", False):
+            return model_class
+
+        def set_vocab(self):
+            try:
+                return own(self)
+            except (FileNotFoundError, ValueError):
+                doc = tokenizer_doc(self.dir_model)
+                if (self.dir_model / "tokenizer.model").is_file() or doc is None:
+                    raise
+            base.logger.warning("memfit: no tokenizer.model; writing the vocabulary from tokenizer.json")
+            return self._set_vocab_llama_hf() if byte_fallback(doc) else self._set_vocab_gpt2()
+
+        set_vocab._memfit = True
+        model_class.set_vocab = set_vocab
+        return model_class
+
+    conversion.get_model_class = get_model_class
+
+
+def _scores_fallback(gguf) -> None:
+    """gguf's LlamaHfVocab (a SentencePiece-style tokenizer.json, no tokenizer.model) scores every token -1000, and
+    llama.cpp's SentencePiece tokenizer merges by score: memfit scores each token by its merge's rank instead."""
+    from memfit.release.gguf_vocab import merge_scores, tokenizer_doc
+
+    hf_tokens = gguf.LlamaHfVocab.hf_tokens
+
+    def scored(self):
+        rows = list(hf_tokens(self))
+        doc = tokenizer_doc(self.fname_tokenizer.parent)
+        if not rows or doc is None:
+            yield from rows
+            return
+        texts, scores, types = (list(x) for x in zip(*rows, strict=True))
+        yield from zip(texts, merge_scores(doc, texts, scores), types, strict=True)
+
+    gguf.LlamaHfVocab.hf_tokens = scored
+
+
+def _template_fallback(gguf) -> None:
+    """transformers' {% generation %} tags (memfit's training templates mark trained tokens with them) are unknown
+    to llama.cpp's Jinja; the template is written without them (they change nothing in the rendering)."""
+    from memfit.release.gguf_vocab import chat_template_for_gguf
+
+    add = gguf.SpecialVocab.add_to_gguf
+
+    def add_to_gguf(self, gw, *args, **kwargs):
+        self.chat_template = chat_template_for_gguf(self.chat_template)
+        return add(self, gw, *args, **kwargs)
+
+    gguf.SpecialVocab.add_to_gguf = add_to_gguf
+
+
+def _hparams_fallback(base) -> None:
+    """transformers 5 no longer writes GPT-2's n_ctx (always n_positions) to config.json; the converter reads it."""
+    load = base.ModelBase.load_hparams
+
+    def load_hparams(dir_model, *args, **kwargs):
+        hparams = load(dir_model, *args, **kwargs)
+        if hparams.get("model_type") == "gpt2" and "n_ctx" not in hparams and "n_positions" in hparams:
+            hparams["n_ctx"] = hparams["n_positions"]
+        return hparams
+
+    base.ModelBase.load_hparams = staticmethod(load_hparams)
+
+
 def main(argv: list[str]) -> None:
     folder, script, *args = argv
     root = Path(folder).resolve()
     # The converter's own gguf-py first (it matches the converter; the installed gguf may not), then its folder.
     sys.path[:0] = [str(root / "gguf-py"), str(root)]
+    import conversion
+    import gguf
+    from conversion import base
+
     if pre := os.environ.get("MEMFIT_GGUF_PRE"):
-        _with_fallback(pre)
+        _pre_tokenizer_fallback(base, pre)
+    _vocab_fallback(conversion, base)
+    _scores_fallback(gguf)
+    _template_fallback(gguf)
+    _hparams_fallback(base)
     sys.argv = [str(root / script), *args]
     runpy.run_path(str(root / script), run_name="__main__")
 
