@@ -80,18 +80,34 @@ def _scores_fallback(gguf) -> None:
     gguf.LlamaHfVocab.hf_tokens = scored
 
 
-def _template_fallback(gguf) -> None:
-    """transformers' {% generation %} tags (memfit's training templates mark trained tokens with them) are unknown
-    to llama.cpp's Jinja; the template is written without them (they change nothing in the rendering)."""
+def _special_fallback(gguf) -> None:
+    """Two things gguf's SpecialVocab writes from tokenizer files, where they hold too little for llama.cpp:
+    - transformers' {% generation %} tags (memfit's training templates mark trained tokens with them) are unknown
+      to llama.cpp's Jinja; the template is written without them (they change nothing in the rendering);
+    - whether <bos>/<eos> are added: read from add_bos_token or a TemplateProcessing post-processor, else left to
+      llama.cpp's default per pre-tokenizer (llama-bpe adds <bos>); a tokenizer saved by transformers 5 without
+      either is asked what it adds, as the export's token-id check does."""
     from memfit.release.gguf_vocab import chat_template_for_gguf
 
-    add = gguf.SpecialVocab.add_to_gguf
+    load, add = gguf.SpecialVocab._load, gguf.SpecialVocab.add_to_gguf
+
+    def _load(self, path):
+        self._memfit_path = path
+        return load(self, path)
 
     def add_to_gguf(self, gw, *args, **kwargs):
         self.chat_template = chat_template_for_gguf(self.chat_template)
+        if "bos" not in self.add_special_token or "eos" not in self.add_special_token:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self._memfit_path)
+            with_special, plain = tok("x")["input_ids"], tok("x", add_special_tokens=False)["input_ids"]
+            added = len(with_special) > len(plain)
+            self.add_special_token.setdefault("bos", added and with_special[0] == tok.bos_token_id)
+            self.add_special_token.setdefault("eos", added and with_special[-1] == tok.eos_token_id)
         return add(self, gw, *args, **kwargs)
 
-    gguf.SpecialVocab.add_to_gguf = add_to_gguf
+    gguf.SpecialVocab._load, gguf.SpecialVocab.add_to_gguf = _load, add_to_gguf
 
 
 def _hparams_fallback(base) -> None:
@@ -120,7 +136,7 @@ def main(argv: list[str]) -> None:
         _pre_tokenizer_fallback(base, pre)
     _vocab_fallback(conversion, base)
     _scores_fallback(gguf)
-    _template_fallback(gguf)
+    _special_fallback(gguf)
     _hparams_fallback(base)
     sys.argv = [str(root / script), *args]
     runpy.run_path(str(root / script), run_name="__main__")

@@ -1,7 +1,11 @@
-"""GGUF without llama.cpp: the f16 file's metadata and tensors read back with the gguf package, the Ollama
-Modelfile converted from each built-in chat template, and the one-line refusals (family, quant, formats list)."""
+"""GGUF without llama.cpp: the Ollama Modelfile converted from each built-in chat template, what memfit's runner
+reads from tokenizer.json for llama.cpp's converter, and the one-line refusals before training (converter,
+architecture, config, quant, formats list)."""
 
 from __future__ import annotations
+
+import importlib.util
+import json
 
 import pytest
 
@@ -62,42 +66,55 @@ def test_the_modelfile_checker_names_the_first_problem(text, problem):
         parse_modelfile(text)
 
 
-def test_the_f16_file_holds_the_tokenizer_template_and_llama_cpp_tensor_names(tmp_path):
-    gguf = pytest.importorskip("gguf")
-    from family_support import family_folder
-    from transformers import AutoTokenizer
+def test_the_runner_names_pre_tokenizers_and_scores_merges_from_tokenizer_json():
+    from chat_support import bpe_tokenizer, conversation_texts
 
-    from memfit.release.gguf import write_f16
+    from memfit.release.gguf_vocab import PRE_BY_REGEX, chat_template_for_gguf, merge_scores, pre_tokenizer
 
-    folder = family_folder(tmp_path, "llama")
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = CHATML_TEMPLATE
-    write_f16(folder, tmp_path / "m.gguf", tok, "tiny")
-    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
-    fields = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.t")}
-    assert fields["general.architecture"] == "llama" and fields["llama.block_count"] == 2
-    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
-    assert "{% generation %}" not in fields["tokenizer.chat_template"]  # transformers-only tags removed
-    assert fields["tokenizer.chat_template"].startswith("{%- for message in messages")
-    assert len(reader.fields["tokenizer.ggml.tokens"].data) == 400
-    tensors = {t.name: t.tensor_type.name for t in reader.tensors}
-    assert tensors["blk.1.attn_q.weight"] == "F16" and tensors["blk.1.attn_norm.weight"] == "F32"
-    assert len(tensors) == 2 + 9 * 2 + 1  # embeddings, output, output norm; 9 per block
+    tok = bpe_tokenizer(conversation_texts(20), vocab_size=300)
+    doc = json.loads(tok.backend_tokenizer.to_str())
+    assert pre_tokenizer(doc) == "gpt-2"
+    for regex, name in PRE_BY_REGEX.items():
+        split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+        assert pre_tokenizer({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [split]}}) == name
+    assert pre_tokenizer({"pre_tokenizer": {"type": "Metaspace"}}) is None  # then llama.cpp's hash table decides
+    bpe = {"model": {"merges": ["▁ t", "▁t h", "e r"]}}
+    assert merge_scores(bpe, [b"<s>", b" t", b" th", "er"], [-1000.0] * 4) == [-1000.0, -0.0, -1.0, -2.0]
+    assert "{% generation %}" in PRESET_CHAT_TEMPLATE and "generation %}" not in chat_template_for_gguf(
+        PRESET_CHAT_TEMPLATE)
+    assert chat_template_for_gguf(None) is None
 
 
-def test_unsupported_families_quants_and_format_lists_fail_in_one_line():
+def _fake_converter(root):
+    """A folder shaped like llama.cpp's (convert_hf_to_gguf.py, conversion/ registering one architecture)."""
+    (root / "conversion").mkdir(parents=True)
+    (root / "convert_hf_to_gguf.py").write_text("")
+    (root / "conversion" / "llama.py").write_text('@ModelBase.register("LlamaForCausalLM", "MistralForCausalLM")\n')
+    return root
+
+
+def test_unsupported_converters_families_quants_and_format_lists_fail_in_one_line(tmp_path):
     from memfit import config
     from memfit.errors import ConfigError
     from memfit.release.gguf import check_gguf_export
 
-    with pytest.raises(ConfigError, match="but a mixture-of-experts model: llama.cpp's expert tensors") as err:
-        check_gguf_export("qwen3_moe", ["f16"])
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (the check names it first)")
+    conv = _fake_converter(tmp_path / "llama.cpp")
+    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    check_gguf_export(llama, ["f16", "q8_0"], conv)
+    with pytest.raises(ConfigError, match=f"not installed at {tmp_path}: run `memfit gguf-converter install`"):
+        check_gguf_export(llama, ["f16"], tmp_path)
+    with pytest.raises(ConfigError, match="does not know the architecture BloomForCausalLM") as err:
+        check_gguf_export({"model_type": "bloom", "architectures": ["BloomForCausalLM"]}, ["f16"], conv)
     assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match="no GGUF mapping"):
-        check_gguf_export("bloom", ["f16"])
-    check_gguf_export("gemma3_text", ["f16"])  # Gemma 3 is written (tests/integration/test_gguf_export.py)
+    gemma = {"model_type": "gemma2", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+             "num_attention_heads": 4, "query_pre_attn_scalar": 256}
+    with pytest.raises(ConfigError, match="query_pre_attn_scalar 256, llama.cpp by head_dim 16"):
+        check_gguf_export(gemma, ["f16"], conv)
+    check_gguf_export({**gemma, "query_pre_attn_scalar": 16}, ["f16"], conv)
     with pytest.raises(ConfigError, match="iq2_xs not available"):
-        check_gguf_export("llama", ["iq2_xs"])
+        check_gguf_export(llama, ["iq2_xs"], conv)
     cfg = config.load(None, ["export.formats=[safetensors,gguf]"])
     assert cfg.export.enabled_formats() == ["safetensors", "gguf"] and cfg.export.onnx is False
     assert config.load(None, ["export.onnx=false"]).export.enabled_formats() == ["safetensors"]
