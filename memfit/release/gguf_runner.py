@@ -12,19 +12,29 @@ from pathlib import Path
 # The export's verification (token ids, greedy tokens, top-1 agreement in llama.cpp) judges the result either way.
 
 
-def _pre_tokenizer_fallback(base, pre: str) -> None:
+def _pre_tokenizer_fallback(base, pre: str | None) -> None:
     """convert_hf_to_gguf.py names a BPE pre-tokenizer by hashing a sample's tokens against the hub tokenizers it
     lists; a tokenizer trained by the team (or newer than the converter) is in no list and the converter stops.
-    memfit names it from tokenizer.json's own pre-tokenizer instead (memfit.release.gguf_vocab)."""
+    memfit names it from the pre-tokenizer of the tokenizer as transformers loads it (memfit.release.gguf_vocab):
+    not the file's, since transformers 5 gives some families their own (Qwen2Tokenizer splits digits singly, a
+    tokenizer.json saying GPT-2's split or not); `pre` (the export's name for the file) when that is none known."""
+    import json
+
+    from memfit.release.gguf_vocab import pre_tokenizer
+
     known = base.TextModel.get_vocab_base_pre
 
     def get_vocab_base_pre(self, tokenizer) -> str:
         try:
             return known(self, tokenizer)
         except NotImplementedError:
-            base.logger.warning("memfit: pre-tokenizer not in llama.cpp's hash table; using %r from tokenizer.json",
-                                pre)
-            return pre
+            backend = getattr(tokenizer, "backend_tokenizer", None)
+            name = (pre_tokenizer(json.loads(backend.to_str())) if backend is not None else None) or pre
+            if name is None:
+                raise
+            base.logger.warning("memfit: pre-tokenizer not in llama.cpp's hash table; using %r from the tokenizer",
+                                name)
+            return name
 
     base.TextModel.get_vocab_base_pre = get_vocab_base_pre
 
@@ -132,8 +142,7 @@ def main(argv: list[str]) -> None:
     import gguf
     from conversion import base
 
-    if pre := os.environ.get("MEMFIT_GGUF_PRE"):
-        _pre_tokenizer_fallback(base, pre)
+    _pre_tokenizer_fallback(base, os.environ.get("MEMFIT_GGUF_PRE") or None)
     _vocab_fallback(conversion, base)
     _scores_fallback(gguf)
     _special_fallback(gguf)
