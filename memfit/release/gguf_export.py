@@ -110,8 +110,8 @@ def export_gguf(hf_dir: str | Path, final: str | Path, quants: list[str], *, pro
 def convert_f16(conv: Any, hf_dir: Path, out: Path, name: str) -> None:
     """llama.cpp's convert_hf_to_gguf.py: the SafeTensors folder → one f16 GGUF, with memfit's pre-tokenizer name
     as the fallback for a tokenizer its hash table does not know (memfit.release.gguf_runner)."""
+    from memfit.release.gguf import pre_tokenizer, tokenizer_doc
     from memfit.release.gguf_converter import run
-    from memfit.release.gguf_vocab import pre_tokenizer, tokenizer_doc
 
     started = time.perf_counter()
     run(conv, "convert_hf_to_gguf.py", [str(hf_dir), "--outtype", "f16", "--outfile", str(out), "--model-name",

@@ -15,12 +15,12 @@ from pathlib import Path
 def _pre_tokenizer_fallback(base, pre: str | None) -> None:
     """convert_hf_to_gguf.py names a BPE pre-tokenizer by hashing a sample's tokens against the hub tokenizers it
     lists; a tokenizer trained by the team (or newer than the converter) is in no list and the converter stops.
-    memfit names it from the pre-tokenizer of the tokenizer as transformers loads it (memfit.release.gguf_vocab):
+    memfit names it from the pre-tokenizer of the tokenizer as transformers loads it (memfit.release.gguf):
     not the file's, since transformers 5 gives some families their own (Qwen2Tokenizer splits digits singly, a
     tokenizer.json saying GPT-2's split or not); `pre` (the export's name for the file) when that is none known."""
     import json
 
-    from memfit.release.gguf_vocab import pre_tokenizer
+    from memfit.release.gguf import pre_tokenizer
 
     known = base.TextModel.get_vocab_base_pre
 
@@ -44,7 +44,7 @@ def _vocab_fallback(conversion, base) -> None:
     tokenizer_config names GPT2Tokenizer), as their released models ship one; a model fine-tuned with a tokenizer
     of its own has only tokenizer.json. Where set_vocab fails for want of tokenizer.model, the vocabulary is
     written as the converter writes any tokenizer.json: byte-level BPE as "gpt2", byte-fallback BPE as "llama"."""
-    from memfit.release.gguf_vocab import byte_fallback, tokenizer_doc
+    from memfit.release.gguf import byte_fallback, tokenizer_doc
 
     lookup = conversion.get_model_class
 
@@ -96,7 +96,7 @@ def _layer_types_fallback(base, model_class) -> None:
 def _scores_fallback(gguf) -> None:
     """gguf's LlamaHfVocab (a SentencePiece-style tokenizer.json, no tokenizer.model) scores every token -1000, and
     llama.cpp's SentencePiece tokenizer merges by score: memfit scores each token by its merge's rank instead."""
-    from memfit.release.gguf_vocab import merge_scores, tokenizer_doc
+    from memfit.release.gguf import merge_scores, tokenizer_doc
 
     hf_tokens = gguf.LlamaHfVocab.hf_tokens
 
@@ -119,7 +119,7 @@ def _special_fallback(gguf) -> None:
     - whether <bos>/<eos> are added: read from add_bos_token or a TemplateProcessing post-processor, else left to
       llama.cpp's default per pre-tokenizer (llama-bpe adds <bos>); a tokenizer saved by transformers 5 without
       either is asked what it adds, as the export's token-id check does."""
-    from memfit.release.gguf_vocab import chat_template_for_gguf
+    from memfit.release.gguf import chat_template_for_gguf
 
     load, add = gguf.SpecialVocab._load, gguf.SpecialVocab.add_to_gguf
 

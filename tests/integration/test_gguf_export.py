@@ -317,8 +317,8 @@ def test_llama3_and_qwen2_pre_tokenizers_split_text_as_llama_cpp_does(tmp_path, 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
+    from memfit.release.gguf import PRE_BY_REGEX
     from memfit.release.gguf_export import export_gguf
-    from memfit.release.gguf_vocab import PRE_BY_REGEX
 
     regex = next(r for r, name in PRE_BY_REGEX.items() if name == pre)
     tok = Tokenizer(models.BPE())

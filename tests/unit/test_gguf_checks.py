@@ -69,7 +69,7 @@ def test_the_modelfile_checker_names_the_first_problem(text, problem):
 def test_the_runner_names_pre_tokenizers_and_scores_merges_from_tokenizer_json():
     from chat_support import bpe_tokenizer, conversation_texts
 
-    from memfit.release.gguf_vocab import PRE_BY_REGEX, chat_template_for_gguf, merge_scores, pre_tokenizer
+    from memfit.release.gguf import PRE_BY_REGEX, chat_template_for_gguf, merge_scores, pre_tokenizer
 
     tok = bpe_tokenizer(conversation_texts(20), vocab_size=300)
     doc = json.loads(tok.backend_tokenizer.to_str())
@@ -123,3 +123,33 @@ def test_unsupported_converters_families_quants_and_format_lists_fail_in_one_lin
         config.load(None, ["export.formats=[safetensors,gguf]", "export.onnx=true"])
     with pytest.raises(ConfigError, match="safetensors is the export every other format is made from"):
         config.load(None, ["export.formats=[onnx]"])
+
+
+def test_gguf_converter_install_takes_the_converter_from_the_sdist_and_says_where(tmp_path):
+    """A stand-in for the pinned sdist (the converter's members, llama.cpp's commit as its submodule records it, and
+    a file that must not come along): installed where --dir says, stamped, and found there."""
+    import io
+    import tarfile
+
+    from tests_support import cli_in_process
+
+    from memfit.release.gguf_converter import PINNED, SDIST, VENDOR, find
+
+    sdist = tmp_path / SDIST
+    members = {f"{VENDOR}convert_hf_to_gguf.py": b"# the converter\n", f"{VENDOR}conversion/llama.py": b"",
+               f"{VENDOR}gguf-py/gguf/__init__.py": b"", f"{VENDOR}src/llama.cpp": b"// not needed",
+               f"llama_cpp_python-{PINNED}/.git/modules/vendor/llama.cpp/HEAD": b"0c1e5709abc\n"}
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    result = cli_in_process("gguf-converter", "install", "--sdist", sdist, "--dir", tmp_path / "conv")
+    assert result.exit_code == 0, result.output
+    assert f"llama.cpp 0c1e5709abc) installed in {tmp_path / 'conv'}" in result.output
+    conv = find(tmp_path / "conv")
+    assert conv.record()["llama_cpp_commit"] == "0c1e5709abc" and conv.llama_cpp_python == PINNED
+    assert sorted(p.name for p in conv.dir.iterdir()) == ["conversion", "convert_hf_to_gguf.py", "gguf-py",
+                                                          "memfit-converter.json"]
+    bad = cli_in_process("gguf-converter", "install", "--sdist", tmp_path / "missing.tar.gz", "--dir", tmp_path / "x")
+    assert bad.exit_code == 2 and "\n" not in bad.output.strip()
