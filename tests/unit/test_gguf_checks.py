@@ -153,3 +153,18 @@ def test_gguf_converter_install_takes_the_converter_from_the_sdist_and_says_wher
                                                           "memfit-converter.json"]
     bad = cli_in_process("gguf-converter", "install", "--sdist", tmp_path / "missing.tar.gz", "--dir", tmp_path / "x")
     assert bad.exit_code == 2 and "\n" not in bad.output.strip()
+
+
+def test_a_run_named_phi3_keeps_its_name_only_where_llama_cpp_can_load_it():
+    """llama.cpp sets Phi-3's token attributes by general.name and fails to load a vocabulary without <s>, </s>,
+    <unk> and <|endoftext|> (measured: `unordered_map::at`); such a run is written under the name without it."""
+    from types import SimpleNamespace
+
+    from memfit.release.gguf_export import _model_name
+
+    trained_here = SimpleNamespace(get_vocab=lambda: {"<|endoftext|>": 0, "a": 1})
+    specials = ["<s>", "</s>", "<unk>", "<|endoftext|>"]
+    phi3_own = SimpleNamespace(get_vocab=lambda: {t: i for i, t in enumerate(specials)})
+    assert _model_name("my-Phi-3-run", trained_here) == "my-phi 3-run"
+    assert _model_name("phi3 tune", trained_here) == "phi 3 tune" and _model_name("llama", trained_here) == "llama"
+    assert _model_name("my-Phi-3-run", phi3_own) == "my-Phi-3-run"
