@@ -41,6 +41,8 @@ $(GGUF_STAMP): $(STAMP)
 		$(BIN)/python -m pip install -c constraints.txt \
 		-e '.[gguf]' >$(VENV)/install-gguf.log 2>&1 || { cat $(VENV)/install-gguf.log; exit 1; }; \
 		echo "llama-cpp-python installed in $$(( $$(date +%s) - start )) s"
+	@$(BIN)/memfit gguf-converter install >>$(VENV)/install-gguf.log 2>&1 || { cat $(VENV)/install-gguf.log; exit 1; }
+	@tail -n 1 $(VENV)/install-gguf.log
 	@touch $@
 
 run: $(STAMP)

@@ -82,10 +82,10 @@ def preflight(cfg: MemfitConfig) -> None:
     if cfg.export.adapter and cfg.lora.enabled is False:
         raise ConfigError("export.adapter: this run trains all weights (lora.enabled is false), so there is no "
                           "adapter to export; set lora.enabled=true (or auto) or drop export.adapter")
-    if "gguf" in cfg.export.enabled_formats():  # an unmapped family or a missing package: now, not after training
+    if "gguf" in cfg.export.enabled_formats():  # no converter, an unknown family, a missing package: now, not later
         from memfit.release.gguf import check_gguf_export
 
-        check_gguf_export(_model_type(cfg.model), cfg.export.gguf_quants)
+        check_gguf_export(_model_config(cfg.model), cfg.export.gguf_quants, cfg.export.gguf_converter)
     # S3 too: a missing bucket, bad credentials or a down endpoint fail here, in seconds, not after the probe.
     open_checkpoint_store(cfg).check_writable()
     from memfit.tracking import check_tracking
@@ -103,12 +103,13 @@ def preflight(cfg: MemfitConfig) -> None:
         open_store(cfg.export.uri).check_writable()
 
 
-def _model_type(model: ModelConfig) -> str | None:
-    """The HF model_type a run trains: the preset's, or a local folder's config.json; None for a hub id (phase 5
-    checks the downloaded config)."""
+def _model_config(model: ModelConfig) -> dict | None:
+    """The config.json of the model a run trains: the preset's family, or a local folder's; None for a hub id
+    (phase 5 checks the downloaded config)."""
     import json
 
     if model.name_or_path is None:
-        return {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}[model.preset]
+        return {"tiny-llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+                "tiny-gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}}[model.preset]
     config = Path(model.name_or_path) / "config.json"
-    return json.loads(config.read_text()).get("model_type", "") if config.is_file() else None
+    return json.loads(config.read_text()) if config.is_file() else None

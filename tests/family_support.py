@@ -27,6 +27,22 @@ MOE = {
                     "n_group": 1, "topk_group": 1},
 }
 FAMILIES = {**DENSE, **MOE}
+# The GGUF family matrix (tests/integration/test_gguf_families.py): name → (model_type, config beyond COMMON).
+# Gemma's query_pre_attn_scalar and Qwen3-MoE's norm_topk_prob as the released models set them (llama.cpp assumes
+# them; memfit.release.gguf.unsupported refuses other values before training).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 5e5}
+GGUF_FAMILIES = {
+    "llama3": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "llama": ("llama", {}), "mistral": ("mistral", {}), "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {"head_dim": 16}),
+    "gemma2": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 32}),
+    "gemma3": ("gemma3_text", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 32,
+                               "layer_types": ["sliding_attention", "full_attention"]}),
+    "phi3": ("phi3", {}),  # grouped-query attention: 2 kv heads for 4 query heads
+    "granite": ("granite", {}), "olmo2": ("olmo2", {}), "starcoder2": ("starcoder2", {}), "smollm3": ("smollm3", {}),
+    "gpt2": ("gpt2", {}),
+    "qwen3_moe": ("qwen3_moe", {**MOE["qwen3_moe"], "norm_topk_prob": True}), "mixtral": ("mixtral", MOE["mixtral"]),
+}
 
 
 def family_folder(root: Path, family: str, **config: object) -> Path:

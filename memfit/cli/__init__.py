@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from memfit.cli import checkpoints, planning, runs, serving
-from memfit.cli.common import app, automations_app, checkpoints_app, main
+from memfit.cli.common import app, automations_app, checkpoints_app, gguf_converter_app, main
 
 # Every command in one place, in the order `memfit --help` lists them; each module holds one seam's commands.
 app.command()(runs.run)
@@ -21,6 +21,8 @@ app.command("export")(checkpoints.export_cmd)
 app.add_typer(checkpoints_app, name="checkpoints")
 checkpoints_app.command("ls")(checkpoints.checkpoints_ls)
 checkpoints_app.command("verify")(checkpoints.checkpoints_verify)
+app.add_typer(gguf_converter_app, name="gguf-converter")
+gguf_converter_app.command("install")(checkpoints.gguf_converter_install)
 app.add_typer(automations_app, name="automations")
 automations_app.command("apply")(serving.automations_apply)
 

@@ -168,3 +168,21 @@ def export_cmd(
         typer.echo(line, err=as_json)
     if as_json:
         typer.echo(json.dumps(report, sort_keys=True, default=str))
+
+
+def gguf_converter_install(
+        sdist: Annotated[Path | None, typer.Option("--sdist", help="The llama-cpp-python sdist to take it from "
+                                                   "(default: pip downloads the pinned one, from its cache if there).")]
+        = None,
+        dest: Annotated[Path | None, typer.Option("--dir", help="Where to put it (default: beside the packages, "
+                                                  "where export.gguf_converter unset looks).")] = None) -> None:
+    """Install llama.cpp's convert_hf_to_gguf.py (with conversion/ and gguf-py/) from the pinned llama-cpp-python
+    sdist; prints where it went and llama.cpp's commit."""
+    from memfit.release.gguf_converter import install
+
+    try:
+        conv = install(dest, sdist)
+    except (MemfitError, OSError) as err:
+        fail(err)
+    typer.echo(f"llama.cpp's converter (llama-cpp-python {conv.llama_cpp_python}, llama.cpp "
+               f"{conv.llama_cpp_commit[:12]}) installed in {conv.dir}")

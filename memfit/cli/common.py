@@ -17,6 +17,8 @@ from memfit.runtime.importing import collector_paused
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Fine-tune language models on the GPU you have; keep runs alive on spot machines.")
 checkpoints_app = typer.Typer(no_args_is_help=True, help="Training checkpoints (saved state to resume from).")
+gguf_converter_app = typer.Typer(no_args_is_help=True, help="llama.cpp's own convert_hf_to_gguf.py, which writes "
+                                 "the GGUF export (pinned with llama-cpp-python).")
 automations_app = typer.Typer(no_args_is_help=True, help="Prefect automations that restart preempted or vanished "
                               "runs (recovery section).")
 

@@ -23,7 +23,7 @@ class GgufMinTop1(Section):
     whose top-1 token from llama.cpp equals transformers'. Measured on tiny models in docs/export.md."""
 
     f16: float = Field(0.98, ge=0.0, le=1.0, description="f16 (which must also give transformers' greedy tokens on "
-                       "every prompt). Measured: 100% (Llama, Mistral, Qwen2, Qwen3, Phi-3 tiny models).")
+                       "every prompt). Measured: 100% (tiny models of the 15 families in docs/export.md).")
     q8_0: float = Field(0.9, ge=0.0, le=1.0, description="q8_0 (8-bit blocks). Measured: 96.7% to 100% on "
                         "random-weight tiny models, whose near-flat logits flip near-ties.")
     q4_k_m: float = Field(0.5, ge=0.0, le=1.0, description="q4_k_m (4-bit k-quant; rows narrower than 256 fall back "
@@ -37,12 +37,17 @@ class ExportConfig(Section):
         None, description="The exports phase 5 and `memfit export` write, each verified in the runtime that loads "
         "it: safetensors (the merged HF folder, always: every other format is made from it and checked against it), "
         "onnx (onnxruntime parity), adapter (LoRA runs: the peft folder), gguf (llama.cpp / Ollama: "
-        "export.gguf_quants, checked by llama-cpp-python; needs `pip install 'memfit[gguf]'`). Unset: safetensors, "
+        "export.gguf_quants, checked by llama-cpp-python; needs `pip install 'memfit[gguf]'` and `memfit "
+        "gguf-converter install`). Unset: safetensors, "
         "plus onnx and adapter as export.onnx and export.adapter say (their older spelling, kept in step).")
     gguf_quants: list[GgufQuant] = Field(
         default_factory=lambda: ["f16", "q8_0"], min_length=1, description="GGUF files written to export.dir/gguf: "
-        "f16 (the gguf package, llama.cpp's tensor names), q8_0 and q4_k_m (llama.cpp's own quantizer from the f16 "
+        "f16 (llama.cpp's own convert_hf_to_gguf.py), q8_0 and q4_k_m (llama.cpp's own quantizer from the f16 "
         "file). The Modelfile's FROM is the first quantized one listed, else f16.")
+    gguf_converter: str | None = Field(
+        None, description="A folder holding llama.cpp's convert_hf_to_gguf.py (with its conversion/ and gguf-py/, "
+        "e.g. a llama.cpp checkout) to write the f16 GGUF with. Unset: $MEMFIT_GGUF_CONVERTER, else the one "
+        "`memfit gguf-converter install` put beside the packages (from the pinned llama-cpp-python sdist).")
     gguf_min_top1: GgufMinTop1 = Field(default_factory=lambda: GgufMinTop1(), description="Per GGUF file: the "
                                        "min top-1 agreement with transformers that verification accepts.")
     onnx: bool = Field(True, description="Also export and verify ONNX (the same as listing onnx in export.formats).")

@@ -218,10 +218,11 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
             _check_adapter_export(cfg, loaded)
         model, tokenizer = model_for_checkpoint(cfg, Path(tmp) / "work")
         quants = list(gguf_quants or cfg.export.gguf_quants)
-        if gguf:  # before minutes of export work: the family, the quant types, the packages
+        if gguf:  # before minutes of export work: the converter and its families, the quant types, the packages
             from memfit.release.gguf import check_gguf_export
 
-            check_gguf_export(model.config.model_type, quants)
+            check_gguf_export({**model.config.to_dict(), "architectures": [type(model).__name__]}, quants,
+                              cfg.export.gguf_converter)
         try:
             from memfit.models.lora import adapted_from_state, merge_lora
 
@@ -249,7 +250,8 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
 
             gguf_report = export_gguf(files.safetensors_dir, Path(out_dir) / GGUF_DIR, quants,
                                       prompts=cfg.eval.prompts, min_top1=cfg.export.gguf_min_top1.model_dump(),
-                                      max_new_tokens=cfg.eval.max_new_tokens, name=cfg.run.name).to_dict()
+                                      max_new_tokens=cfg.eval.max_new_tokens, name=cfg.run.name,
+                                      converter=cfg.export.gguf_converter).to_dict()
             files.gguf_dir = gguf_report["dir"]
         verified = None
         if adapter:  # base + adapter through peft against the merged model, before anything is uploaded

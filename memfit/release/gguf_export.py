@@ -1,10 +1,12 @@
-"""GGUF export staged, quantized and verified by llama.cpp itself (llama-cpp-python) against transformers."""
+"""GGUF export: written by llama.cpp's converter, quantized and verified by llama.cpp itself against transformers."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,27 +59,31 @@ class GgufExport:
 
 
 def export_gguf(hf_dir: str | Path, final: str | Path, quants: list[str], *, prompts: list[str],
-                min_top1: dict[str, float], max_new_tokens: int = 16, name: str = "memfit") -> GgufExport:
-    """hf_dir (a merged SafeTensors folder) → final/model-QUANT.gguf for each quant, verified, with a Modelfile;
-    staged beside `final`, memfit-gguf.json written last, then renamed into place."""
+                min_top1: dict[str, float], max_new_tokens: int = 16, name: str = "memfit",
+                converter: str | Path | None = None) -> GgufExport:
+    """hf_dir (a merged SafeTensors folder) → final/model-QUANT.gguf for each quant: f16 by llama.cpp's own
+    converter (`converter`: export.gguf_converter, else the install), quantized by llama.cpp, verified, with a
+    Modelfile; staged beside `final`, memfit-gguf.json (naming the converter) written last, then renamed into place."""
     from transformers import AutoTokenizer
 
-    from memfit.release.gguf import Hparams, check_gguf_export, quantize, write_f16
+    from memfit.release.gguf import check_gguf_export, quantize
+    from memfit.release.gguf_converter import find
     from memfit.release.modelfile import MODELFILE_NAME, modelfile_text
 
     hf_dir, final = Path(hf_dir), Path(final).absolute()
-    hp, cfg = Hparams.read(hf_dir)
-    check_gguf_export(hp.model_type, quants)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    check_gguf_export(cfg, quants, converter)
+    conv = find(converter)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     with staged_folder(final) as staged:
         f16 = staged / "model-f16.gguf"
-        write_f16(hf_dir, f16, tokenizer, name)
+        convert_f16(conv, hf_dir, f16, _model_name(name, tokenizer))
         for quant in quants:
             if quant != "f16":
                 quantize(f16, staged / f"model-{quant}.gguf", quant)
         ref = _reference(hf_dir, tokenizer, prompts, max_new_tokens)
-        result = GgufExport(dir=str(final), architecture=hp.arch.lower())
+        result = GgufExport(dir=str(final), architecture=_architecture(f16))
         for quant in quants:
             path = staged / f"model-{quant}.gguf"
             figures, template_equal = verify_file(path, quant, tokenizer, ref)
@@ -87,18 +93,51 @@ def export_gguf(hf_dir: str | Path, final: str | Path, quants: list[str], *, pro
         if "f16" not in quants:
             f16.unlink()
         served = next((q for q in quants if q != "f16"), "f16")
-        text, result.modelfile_template = modelfile_text(f"model-{served}.gguf", tokenizer,
-                                                         min(int(cfg.get("max_position_embeddings")
-                                                                 or cfg["n_positions"]), 4096))
+        context = cfg.get("max_position_embeddings") or cfg.get("n_positions") or 4096
+        text, result.modelfile_template = modelfile_text(f"model-{served}.gguf", tokenizer, min(int(context), 4096))
         (staged / MODELFILE_NAME).write_text(text)
         result.modelfile = str(final / MODELFILE_NAME)
         for f in result.files:  # where they will be once renamed into place
             f.file = str(final / Path(f.file).name)
-        manifest = {"memfit_version": memfit.__version__, "format": "gguf", "verification": result.to_dict(),
+        manifest = {"memfit_version": memfit.__version__, "format": "gguf", "converter": conv.record(),
+                    "verification": result.to_dict(),
                     "files": {p.name: file_record(p) for p in sorted(staged.iterdir()) if p.is_file()}}
         (staged / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
         commit_folder(staged, final)
     return result
+
+
+def convert_f16(conv: Any, hf_dir: Path, out: Path, name: str) -> None:
+    """llama.cpp's convert_hf_to_gguf.py: the SafeTensors folder → one f16 GGUF, with memfit's pre-tokenizer name
+    as the fallback for a tokenizer its hash table does not know (memfit.release.gguf_runner)."""
+    from memfit.release.gguf import pre_tokenizer, tokenizer_doc
+    from memfit.release.gguf_converter import run
+
+    started = time.perf_counter()
+    run(conv, "convert_hf_to_gguf.py", [str(hf_dir), "--outtype", "f16", "--outfile", str(out), "--model-name",
+                                        name], pre_tokenizer=pre_tokenizer(tokenizer_doc(hf_dir)))
+    log.info("gguf: llama.cpp's converter wrote %s in %.1f s", out.name, time.perf_counter() - started)
+
+
+def _model_name(name: str, tokenizer: Any) -> str:
+    """general.name as written. llama.cpp sets Phi-3's special-token attributes by the name (llama-vocab.cpp: a name
+    holding "phi3" or "phi-3" must have <s>, </s>, <unk> and <|endoftext|> in its vocabulary, or loading fails);
+    a run named so whose tokenizer lacks them is written under the name without that word."""
+    vocab = tokenizer.get_vocab()
+    if all(t in vocab for t in ("<s>", "</s>", "<unk>", "<|endoftext|>")):
+        return name
+    return re.sub(r"(?i)phi-?3", "phi 3", name)
+
+
+def _architecture(path: Path) -> str:
+    """general.architecture of a GGUF file (llama.cpp's name of the family), its vocabulary alone loaded."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        return str(llm.metadata.get("general.architecture", ""))
+    finally:
+        llm.close()
 
 
 def _judge(f: QuantFigures, min_top1: dict[str, float], template: str | None, template_equal: bool | None) -> None:

@@ -41,7 +41,8 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
 
         gguf = export_gguf(files.safetensors_dir, Path(cfg.export.dir) / GGUF_DIR, cfg.export.gguf_quants,
                            prompts=cfg.eval.prompts, min_top1=cfg.export.gguf_min_top1.model_dump(),
-                           max_new_tokens=cfg.eval.max_new_tokens, name=cfg.run.name)
+                           max_new_tokens=cfg.eval.max_new_tokens, name=cfg.run.name,
+                           converter=cfg.export.gguf_converter)
         tracker.log_metrics(gguf.metrics(), step=step)
         files.gguf_dir = gguf.dir
     task_scores: dict[str, float] = {}

@@ -1,7 +1,8 @@
-"""GGUF exports loaded by llama.cpp itself (llama-cpp-python): a tiny Llama run and a tiny Qwen3 give f16 files whose
-greedy tokens equal transformers', q8_0 within its bound, the chat template intact, a Modelfile beside them; the
-formats in MLflow, the registry and export.uri; `memfit export --format gguf`; a wrong conversion caught in one line.
-Skipped where llama-cpp-python is not installed (it builds llama.cpp from source: `pip install 'memfit[gguf]'`)."""
+"""GGUF exports written by llama.cpp's converter and loaded by llama.cpp itself (llama-cpp-python): a tiny Llama run
+gives f16 files whose greedy tokens equal transformers', q8_0 within its bound, the chat template intact, a Modelfile
+beside them; the formats in MLflow, the registry and export.uri; `memfit export --format gguf`; tokenizers trained
+here; a wrong conversion caught in one line. The families: test_gguf_families.py. Skipped where llama-cpp-python
+(it builds llama.cpp from source: `pip install 'memfit[gguf]'`) or the converter is not installed."""
 
 from __future__ import annotations
 
@@ -12,11 +13,26 @@ import pytest
 import torch
 from tests_support import cli_in_process, tiny_overrides
 
-pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")
+try:  # every test here converts with llama.cpp's converter: without it, skipped with the command that installs it
+    from memfit.release.gguf_converter import find as _find
+
+    _find()
+except Exception as _err:  # noqa: BLE001 - a ConfigError naming the folder and `memfit gguf-converter install`
+    pytest.skip(str(_err), allow_module_level=True)
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["one two three", "the red fox", "3 plus 4 is"]
+
+
+def _converter():
+    from memfit.errors import ConfigError
+    from memfit.release.gguf_converter import find
+
+    try:
+        return find()
+    except ConfigError as err:
+        pytest.skip(str(err))
 
 
 def _greedy_hf(folder: Path, prompt: str, n: int) -> tuple[list[int], list[int]]:
@@ -58,6 +74,7 @@ def llama_run(tmp_path_factory):
     the registry."""
     from memfit import config, phases
 
+    _converter()
     root = tmp_path_factory.mktemp("gguf-llama")
     cfg = config.load(REPO / "configs" / "tiny.yaml", tiny_overrides(root, None, **{
         "train.max_steps": 12, "checkpoint.every_steps": 12, "train.warmup_steps": 2, "data.synthetic_docs": 400,
@@ -83,6 +100,7 @@ def test_a_llama_run_exports_gguf_that_llama_cpp_runs_like_transformers(llama_ru
     assert folder == Path(cfg.export.dir).absolute() / "gguf"
     manifest = json.loads((folder / "memfit-gguf.json").read_text())
     assert set(manifest["files"]) == {"model-f16.gguf", "model-q8_0.gguf", "Modelfile"}
+    assert manifest["converter"] == _converter().record()  # llama.cpp's commit and the sdist it came from
     assert all(sha256_file(folder / n) == rec["sha256"] for n, rec in manifest["files"].items())
     figures = {f["quant"]: f for f in exported.gguf["files"]}
     assert figures["f16"]["greedy_equal"] == figures["f16"]["prompts"] == len(cfg.eval.prompts)
@@ -141,42 +159,23 @@ def test_memfit_export_writes_one_quant_from_a_training_checkpoint(llama_run, tm
     assert bad.exit_code == 2 and "iq2_xs not available" in bad.output
 
 
-@pytest.fixture(scope="module")
-def qwen3_folder(tmp_path_factory):
-    from family_support import family_folder
-    from transformers import AutoTokenizer
+def test_a_wrong_conversion_is_caught_by_llama_cpp_in_one_line(tmp_path):
+    """A converter checkout (export.gguf_converter) whose Llama q/k row permutation is gone (rope pairs mixed up):
+    its file runs, but is not the trained model."""
+    import shutil
 
-    from memfit.data.templates import CHATML_TEMPLATE
-
-    folder = family_folder(tmp_path_factory.mktemp("families"), "qwen3")
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = CHATML_TEMPLATE
-    tok.save_pretrained(folder)
-    return folder
-
-
-def test_a_tiny_qwen3_gives_the_same_greedy_tokens_in_llama_cpp(qwen3_folder, tmp_path):
-    from memfit.release.gguf_export import export_gguf
-
-    res = export_gguf(qwen3_folder, tmp_path / "gguf", ["f16", "q8_0"], prompts=PROMPTS,
-                      min_top1={"f16": 0.98, "q8_0": 0.9})
-    assert res.architecture == "qwen3" and res.chat_template_equal and res.modelfile_template
-    assert [f.greedy_equal for f in res.files][0] == len(PROMPTS)
-    _assert_greedy_equal(qwen3_folder, tmp_path / "gguf" / "model-f16.gguf")
-
-
-def test_a_wrong_conversion_is_caught_by_llama_cpp_in_one_line(tmp_path, monkeypatch):
-    """Llama without the q/k row permutation (rope pairs mixed up) runs, but is not the trained model."""
     from family_support import family_folder
 
     from memfit.errors import ExportError
-    from memfit.release import gguf
     from memfit.release.gguf_export import export_gguf
 
+    broken = tmp_path / "llama.cpp"
+    shutil.copytree(_converter().dir, broken)
+    source = (broken / "conversion" / "llama.py").read_text()
+    (broken / "conversion" / "llama.py").write_text(source.replace(".swapaxes(1, 2)", "", 1))
     folder = family_folder(tmp_path, "llama")
-    monkeypatch.setitem(gguf.FAMILIES, "llama", ("LLAMA", False))
     with pytest.raises(ExportError, match="greedy tokens differ|top-1 agreement") as err:
-        export_gguf(folder, tmp_path / "gguf", ["f16"], prompts=PROMPTS, min_top1={"f16": 0.98})
+        export_gguf(folder, tmp_path / "gguf", ["f16"], prompts=PROMPTS, min_top1={"f16": 0.98}, converter=broken)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "gguf").exists()  # nothing half-written
 
@@ -262,29 +261,19 @@ def test_llama_cpp_streams_logprobs_that_join_to_the_answer_without_stream(llama
         running.stop()
 
 
-def test_gguf_for_a_family_without_mapping_stops_before_training(tiny_config, tmp_path):
+def test_gguf_stops_before_training_without_the_converter_or_its_architecture(tiny_config, tmp_path):
     from memfit.errors import ConfigError
     from memfit.preflight import preflight
 
-    (tmp_path / "moe").mkdir()
-    (tmp_path / "moe" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
-    with pytest.raises(ConfigError, match="gguf, but a mixture-of-experts model: llama.cpp's expert") as err:
-        preflight(tiny_config(**{"export.formats": "[safetensors,gguf]", "model.preset": "null",
-                                 "model.name_or_path": str(tmp_path / "moe")}))
+    _converter()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "fancy", "architectures": ["FancyLM"]}))
+    gguf = {"export.formats": "[safetensors,gguf]", "model.preset": "null", "model.name_or_path": str(tmp_path / "m")}
+    with pytest.raises(ConfigError, match="converter .* does not know the architecture FancyLM") as err:
+        preflight(tiny_config(**gguf))
     assert "\n" not in str(err.value)
-
-
-def test_a_gpt2_gives_the_same_greedy_tokens_in_llama_cpp(tmp_path):
-    """GPT-2's Conv1D weights ([in, out]) transposed, its learned positions and biased LayerNorms as llama.cpp's
-    GPT-2 graph reads them; the head tied to the embeddings."""
-    from family_support import family_folder
-
-    from memfit.release.gguf_export import export_gguf
-
-    folder = family_folder(tmp_path, "gpt2")
-    res = export_gguf(folder, tmp_path / "gguf", ["f16", "q8_0"], prompts=PROMPTS, min_top1={"f16": 0.98, "q8_0": 0.9})
-    assert res.architecture == "gpt2" and res.files[0].greedy_equal == len(PROMPTS)
-    _assert_greedy_equal(folder, tmp_path / "gguf" / "model-f16.gguf")
+    with pytest.raises(ConfigError, match=f"not installed at {tmp_path / 'none'}: run `memfit gguf-converter install`"):
+        preflight(tiny_config(**{**gguf, "export.gguf_converter": str(tmp_path / "none")}))
 
 
 def _sentencepiece_style_llama(folder: Path) -> Path:
@@ -317,7 +306,8 @@ def _sentencepiece_style_llama(folder: Path) -> Path:
 
 
 def test_a_sentencepiece_style_tokenizer_tokenizes_alike_in_llama_cpp(tmp_path):
-    """llama.cpp's SPM tokenizer merges by score; the scores memfit derives from the merge order give the same ids."""
+    """llama.cpp's SPM tokenizer merges by score; the scores memfit's runner derives from the merge order (the
+    converter's own: -1000 for every token) give the same ids."""
     from memfit.release.gguf_export import export_gguf
 
     folder = _sentencepiece_style_llama(tmp_path / "spm")
@@ -333,10 +323,10 @@ def test_llama3_and_qwen2_pre_tokenizers_split_text_as_llama_cpp_does(tmp_path, 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-    from memfit.release.gguf import _PRE_BY_REGEX
+    from memfit.release.gguf import PRE_BY_REGEX
     from memfit.release.gguf_export import export_gguf
 
-    regex = next(r for r, name in _PRE_BY_REGEX.items() if name == pre)
+    regex = next(r for r, name in PRE_BY_REGEX.items() if name == pre)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -355,38 +345,3 @@ def test_llama3_and_qwen2_pre_tokenizers_split_text_as_llama_cpp_does(tmp_path, 
     prompts = ["one two three", "12345 678, it's 3.14!", "the red fox\n\n  jumps"]
     res = export_gguf(tmp_path / "m", tmp_path / "gguf", ["f16"], prompts=prompts, min_top1={"f16": 0.98})
     assert res.files[0].greedy_equal == len(prompts)
-
-
-@pytest.mark.parametrize("family,config", [
-    ("gemma", {"head_dim": 16}),
-    ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 32}),
-    # The sliding layers' rope base set apart from llama.cpp's default (10000), so the written one is what counts.
-    ("gemma3_text", {"query_pre_attn_scalar": 16, "rope_parameters": {
-        "full_attention": {"rope_theta": 1e6, "rope_type": "default"},
-        "sliding_attention": {"rope_theta": 500.0, "rope_type": "default"}}}),
-])
-def test_gemma_families_give_the_same_greedy_tokens_in_llama_cpp(tmp_path, family, config):
-    """Gemma's norms scale by (1 + weight), Gemma 2 soft-caps its attention and final logits, Gemma 3 gives its
-    sliding layers a rope base of their own: written as llama.cpp's graphs expect them, the f16 file answers as
-    transformers does."""
-    from family_support import family_folder
-
-    from memfit.release.gguf_export import export_gguf
-
-    folder = family_folder(tmp_path, family, **config)
-    res = export_gguf(folder, tmp_path / "gguf", ["f16", "q8_0"], prompts=PROMPTS,
-                      min_top1={"f16": 0.98, "q8_0": 0.9})
-    assert res.architecture == family.removesuffix("_text") and res.files[0].greedy_equal == len(PROMPTS)
-    _assert_greedy_equal(folder, tmp_path / "gguf" / "model-f16.gguf")
-
-
-def test_a_gemma2_whose_queries_llama_cpp_would_scale_otherwise_is_refused(tmp_path):
-    from family_support import family_folder
-
-    from memfit.errors import ConfigError
-    from memfit.release.gguf_export import export_gguf
-
-    folder = family_folder(tmp_path, "gemma2", head_dim=16, query_pre_attn_scalar=32, sliding_window=32)
-    with pytest.raises(ConfigError, match="query_pre_attn_scalar 32, llama.cpp by head_dim 16"):
-        export_gguf(folder, tmp_path / "gguf", ["f16"], prompts=PROMPTS, min_top1={"f16": 0.98})
-    assert not (tmp_path / "gguf").exists()
