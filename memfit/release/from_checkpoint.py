@@ -42,6 +42,7 @@ class ExportFiles:
     onnx_error: str | None = None  # why the ONNX export failed; the SafeTensors export is still valid
     adapter_dir: str | None = None  # the verified peft folder (adapter.py), uploaded with the rest
     gguf_dir: str | None = None  # the verified GGUF folder (gguf_export.py), uploaded with the rest
+    gguf_adapter_dir: str | None = None  # the verified gguf-adapter folder (gguf_adapter.py), uploaded with the rest
     uploaded_uri: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
