@@ -1,5 +1,6 @@
-"""The Modelfile of a GGUF LoRA adapter: FROM the base GGUF (in the folder or a user's own file), ADAPTER the
-adapter beside it; the checker refuses an empty ADAPTER, an ADAPTER before FROM, and paths that are not there."""
+"""export.formats gguf-adapter without llama.cpp: the Modelfile (FROM the base GGUF, in the folder or a user's own
+file, then ADAPTER; the checker refuses an empty ADAPTER, one before FROM, paths that are not there), the format's
+place in the list, and the one-line refusals before training (no adapter, a QLoRA base, no base file, no converter)."""
 
 from __future__ import annotations
 
@@ -55,4 +56,40 @@ def test_the_checker_names_a_bad_adapter_line(text, problem):
 
     with pytest.raises(ValueError, match=problem) as err:
         parse_modelfile(text)
+    assert "\n" not in str(err.value)
+
+
+def _cfg(tmp_path, **extra):
+    from pathlib import Path
+
+    from tests_support import tiny_overrides
+
+    from memfit import config
+
+    repo = Path(__file__).resolve().parents[2]
+    return config.load(repo / "configs" / "tiny.yaml", tiny_overrides(tmp_path, None, **{
+        "export.formats": "[safetensors,gguf-adapter]", **extra}))
+
+
+def test_gguf_adapter_is_a_format_written_after_the_others(tmp_path):
+    cfg = _cfg(tmp_path, **{"export.formats": "[gguf-adapter,safetensors,gguf,adapter]"})
+    assert cfg.export.enabled_formats() == ["safetensors", "adapter", "gguf", "gguf-adapter"]
+    assert cfg.export.adapter is True and cfg.export.gguf_adapter_base is None
+
+
+@pytest.mark.parametrize(("extra", "problem"), [
+    ({"lora.enabled": "false"}, "export.formats gguf-adapter: this run trains all weights"),
+    ({"lora.enabled": "true", "lora.quantize": "nf4"}, r"a QLoRA adapter \(lora.quantize=nf4\)"),
+    ({"lora.enabled": "true", "export.gguf_adapter_base": "/nowhere/base.Q8_0.gguf"},
+     "export.gguf_adapter_base: /nowhere/base.Q8_0.gguf is not a file"),
+    ({"lora.enabled": "true"}, "llama.cpp's converter is not installed at /nowhere/converter")])
+def test_what_cannot_give_a_gguf_adapter_is_refused_in_one_line(tmp_path, monkeypatch, extra, problem):
+    from memfit.errors import ConfigError
+    from memfit.release.gguf_adapter import check_gguf_adapter_export
+
+    if "/nowhere/converter" in problem:
+        pytest.importorskip("llama_cpp")  # the package check comes first
+    cfg = _cfg(tmp_path, **extra)
+    with pytest.raises(ConfigError, match=problem) as err:
+        check_gguf_adapter_export(cfg.export, cfg.lora, "/nowhere/converter")
     assert "\n" not in str(err.value)
