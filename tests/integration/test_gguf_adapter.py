@@ -56,7 +56,8 @@ def lora_run(tmp_path_factory, converter):
     cfg = config.load(REPO / "configs" / "tiny.yaml", tiny_overrides(root, None, **{
         "lora.enabled": "true", "lora.r": 8, "train.lr": 2e-2, "train.max_steps": 12, "checkpoint.every_steps": 12,
         "train.warmup_steps": 2, "data.synthetic_docs": 400, "export.formats": FORMATS, "memory.policy": "full",
-        "export.gguf_quants": "[f16,q8_0]", "train.num_threads": 1, "tracking.system_metrics": False}))
+        "export.gguf_quants": "[f16,q8_0]", "train.num_threads": 1, "tracking.system_metrics": False,
+        "export.uri": str(root / "exports")}))
     probe = phases.check_environment_and_probe(cfg)
     plan = phases.plan_stack(cfg, probe)
     assert plan.lora is True
@@ -135,6 +136,14 @@ def test_the_adapter_gguf_on_its_base_computes_the_merged_model_in_llama_cpp(lor
     assert "f16 base + adapter: greedy" in run.data.tags["memfit.format.gguf-adapter"]
     logged = {a.path for a in client.list_artifacts(run.info.run_id, "export/gguf-adapter")}
     assert {"export/gguf-adapter/adapter-f16.gguf", "export/gguf-adapter/Modelfile"} <= logged
+
+    # export.uri holds the folder beside hf/ and adapter/, its manifest among the files, listed before manifest.json.
+    from memfit.release.uploads import read_manifest
+
+    uploaded = read_manifest(exported.export_uri)
+    keys = {f"gguf-adapter/{n}" for n in [*manifest["files"], "memfit-gguf-adapter.json"]}
+    assert {k for k, rec in uploaded["files"].items() if rec["format"] == "gguf-adapter"} == keys
+    assert uploaded["formats"]["gguf-adapter"]["base_quants"] == ["f16", "q8_0"]
 
 
 def test_a_base_gguf_the_user_has_is_named_and_a_wrong_adapter_is_caught(lora_run, tmp_path):
