@@ -146,7 +146,8 @@ def test_the_adapter_gguf_on_its_base_computes_the_merged_model_in_llama_cpp(lor
     assert uploaded["formats"]["gguf-adapter"]["base_quants"] == ["f16", "q8_0"]
 
 
-def test_a_base_gguf_the_user_has_is_named_and_a_wrong_adapter_is_caught(lora_run, tmp_path):
+def test_memfit_export_puts_the_adapter_on_a_base_gguf_the_user_has_and_a_wrong_adapter_is_caught(lora_run,
+                                                                                                     tmp_path):
     from safetensors.torch import load_file, save_file
 
     from memfit.errors import ExportError
@@ -158,18 +159,24 @@ def test_a_base_gguf_the_user_has_is_named_and_a_wrong_adapter_is_caught(lora_ru
     mine = tmp_path / "models" / "my-base.Q8_0.gguf"  # the base a user already serves, elsewhere
     mine.parent.mkdir()
     shutil.copy(Path(exported.gguf_adapter["dir"]) / "base-q8_0.gguf", mine)
+    base = exported.adapter["base"]
+    out = tmp_path / "out"
+    result = cli_in_process("export", cfg.checkpoint.uri, "--out", out, "--format", "gguf-adapter",
+                            "--set", f"model.name_or_path={base}", "--set", f"export.gguf_adapter_base={mine}")
+    assert result.exit_code == 0, result.output
+    assert "GGUF adapter: " in result.output and "q8_0 base + adapter: greedy" in result.output
+    folder = out / "gguf-adapter"
+    assert sorted(p.name for p in folder.iterdir()) == ["Modelfile", "adapter-f16.gguf", "memfit-gguf-adapter.json"]
+    manifest = json.loads((folder / "memfit-gguf-adapter.json").read_text())
+    assert manifest["base_gguf"] == {"path": str(mine), "sha256": sha256_file(mine)}
+    (figures,) = manifest["verification"]["files"]
+    assert figures["quant"] == "q8_0" and figures["top1_agree"] >= cfg.export.gguf_min_top1.q8_0
+    modelfile = parse_modelfile((folder / "Modelfile").read_text())
+    assert modelfile[:2] == [("FROM", str(mine)), ("ADAPTER", "./adapter-f16.gguf")]
+    check_paths(modelfile, folder)
     kwargs = {"prompts": cfg.eval.prompts, "min_top1": cfg.export.gguf_min_top1.model_dump(), "max_new_tokens": 8,
               "base_gguf": str(mine)}
-    peft = PeftSource(exported.adapter["dir"], exported.adapter["base"], "none")
-    done = export_gguf_adapter(peft, exported.safetensors_dir, tmp_path / "out", ["f16"], **kwargs)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["Modelfile", "adapter-f16.gguf",
-                                                                    "memfit-gguf-adapter.json"]
-    assert [f.quant for f in done.files] == ["q8_0"] and done.files[0].top1_agree >= cfg.export.gguf_min_top1.q8_0
-    manifest = json.loads((tmp_path / "out" / "memfit-gguf-adapter.json").read_text())
-    assert manifest["base_gguf"] == {"path": str(mine), "sha256": sha256_file(mine)}
-    modelfile = parse_modelfile((tmp_path / "out" / "Modelfile").read_text())
-    assert modelfile[:2] == [("FROM", str(mine)), ("ADAPTER", "./adapter-f16.gguf")]
-    check_paths(modelfile, tmp_path / "out")
+    peft = PeftSource(exported.adapter["dir"], base, "none")
 
     # An adapter that is not what was merged (its B matrices doubled) fails the check, in one line, nothing written.
     tampered = tmp_path / "tampered"
