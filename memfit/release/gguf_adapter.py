@@ -171,7 +171,8 @@ def export_gguf_adapter(peft: PeftSource, merged_dir: str | Path, final: str | P
         result = GgufAdapterExport(dir=str(final), adapter=str(final / ADAPTER_FILE),
                                    adapter_bytes=adapter.stat().st_size, base_model=peft.base,
                                    base_gguf=str(bases[0][0]) if base_gguf else None,
-                                   converter=conv.record(), convert_seconds=round(converted - started, 2))
+                                   converter=_record(conv, not base_gguf),
+                                   convert_seconds=round(converted - started, 2))
         ref = _reference(merged_dir, tokenizer, prompts, max_new_tokens)
         for path, quant in bases:
             figures, result.chat_template_equal = verify_file(path, quant, tokenizer, ref, lora=adapter)
@@ -195,12 +196,18 @@ def export_gguf_adapter(peft: PeftSource, merged_dir: str | Path, final: str | P
         manifest = {"memfit_version": memfit.__version__, "format": "gguf-adapter", "base_model": peft.base,
                     "base_gguf": ({"path": result.base_gguf, "sha256": sha256_file(bases[0][0])}
                                   if base_gguf else None),
-                    "converter": conv.record(), "verification": result.to_dict(),
+                    "converter": result.converter, "verification": result.to_dict(),
                     "files": {p.name: file_record(p) for p in sorted(staged.iterdir()) if p.is_file()}}
         (staged / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
         commit_folder(staged, final)
     log.info("gguf-adapter: %s (%s)", final, result.summary())
     return result
+
+
+def _record(conv: Any, base_too: bool) -> dict[str, str]:
+    """The converter's record (llama-cpp-python version, llama.cpp commit, sdist sha256), naming the scripts run."""
+    scripts = "convert_lora_to_gguf.py" + (", convert_hf_to_gguf.py (the base)" if base_too else "")
+    return {**conv.record(), "converter": f"llama.cpp {scripts}"}
 
 
 def _judge(f: Any, path: Path, min_top1: dict[str, float], template: str | None, template_equal: bool | None) -> None:

@@ -101,7 +101,8 @@ def test_the_adapter_gguf_on_its_base_computes_the_merged_model_in_llama_cpp(lor
     assert set(manifest["files"]) == {"adapter-f16.gguf", "base-f16.gguf", "base-q8_0.gguf", "Modelfile"}
     assert sorted(p.name for p in folder.iterdir()) == sorted([*manifest["files"], "memfit-gguf-adapter.json"])
     assert all(sha256_file(folder / n) == rec["sha256"] for n, rec in manifest["files"].items())
-    assert manifest["converter"] == converter.record() and manifest["base_gguf"] is None
+    assert manifest["converter"] == {**converter.record(), "converter": "llama.cpp convert_lora_to_gguf.py, "
+                                     "convert_hf_to_gguf.py (the base)"} and manifest["base_gguf"] is None
     assert manifest["base_model"] == exported.adapter["base"]  # the base folder the run trained on
     assert manifest["files"]["adapter-f16.gguf"]["bytes"] < manifest["files"]["base-f16.gguf"]["bytes"] / 5
 
@@ -169,6 +170,7 @@ def test_memfit_export_puts_the_adapter_on_a_base_gguf_the_user_has_and_a_wrong_
     assert sorted(p.name for p in folder.iterdir()) == ["Modelfile", "adapter-f16.gguf", "memfit-gguf-adapter.json"]
     manifest = json.loads((folder / "memfit-gguf-adapter.json").read_text())
     assert manifest["base_gguf"] == {"path": str(mine), "sha256": sha256_file(mine)}
+    assert manifest["converter"]["converter"] == "llama.cpp convert_lora_to_gguf.py"  # no base converted
     (figures,) = manifest["verification"]["files"]
     assert figures["quant"] == "q8_0" and figures["top1_agree"] >= cfg.export.gguf_min_top1.q8_0
     modelfile = parse_modelfile((folder / "Modelfile").read_text())
