@@ -91,14 +91,15 @@ def check_gguf_adapter_export(export: Any, lora: Any, converter: str | None) -> 
     find(converter)
 
 
-def base_folder(source: str) -> Path:
-    """The base's local folder: itself, or for a hub id the snapshot from_pretrained used (never a download)."""
+def base_folder(source: str, cache_dir: str | None = None) -> Path:
+    """The base's local folder: itself, or for a hub id the snapshot from_pretrained used (never a download;
+    `cache_dir`: the hub cache, default HF_HUB_CACHE)."""
     if Path(source).expanduser().is_dir():
         return Path(source).expanduser()
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(source, local_files_only=True))
+        return Path(snapshot_download(source, local_files_only=True, cache_dir=cache_dir))
     except Exception as err:  # noqa: BLE001 - not cached (or an odd id): say what to do in one line
         raise ExportError(f"gguf-adapter: base {source} is not in the local Hugging Face cache "
                           f"({type(err).__name__}); point model.name_or_path at its folder") from None

@@ -93,3 +93,18 @@ def test_what_cannot_give_a_gguf_adapter_is_refused_in_one_line(tmp_path, monkey
     with pytest.raises(ConfigError, match=problem) as err:
         check_gguf_adapter_export(cfg.export, cfg.lora, "/nowhere/converter")
     assert "\n" not in str(err.value)
+
+
+def test_a_hub_base_is_read_from_the_local_snapshot_never_downloaded(tmp_path):
+    from memfit.errors import ExportError
+    from memfit.release.gguf_adapter import base_folder
+
+    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("a" * 40)
+    assert base_folder("org/tiny", cache_dir=str(tmp_path / "hub")) == snap
+    assert base_folder(str(snap)) == snap  # a folder is itself
+    with pytest.raises(ExportError, match="gguf-adapter: base org/other is not in the local Hugging Face cache"):
+        base_folder("org/other", cache_dir=str(tmp_path / "hub"))
