@@ -309,6 +309,17 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
     elif cfg.export.adapter:
         log.warning("export.adapter: this run trained all weights (lora.enabled=auto chose a full fine-tune): "
                     "no adapter to export; the merged SafeTensors export is the model")
+    peft = None
+    if "gguf-adapter" in cfg.export.enabled_formats():  # llama.cpp's converter reads the peft folder
+        from memfit.release.gguf_adapter import PeftSource
+
+        if is_adapted(model):
+            peft_dir = adapter_dir or write_adapter(model, inputs.tokenizer, staging_dir(cfg, "gguf-adapter-src"),
+                                                    inputs.source, quantize)
+            peft = PeftSource(str(peft_dir), inputs.source, quantize)
+        else:
+            log.warning("export.formats gguf-adapter: this run trained all weights (lora.enabled=auto chose a full "
+                        "fine-tune): no adapter to export; export the model with gguf")
     model = merge_lora(model)
     # eval.dtype: fp32 on the device, or (auto, when fp32 would not fit) a 16-bit copy there, fp32 kept in host
     # memory: the exports are written from fp32 weights either way.
@@ -337,7 +348,7 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
                           "model_source": _source_name(cfg), "run_name": cfg.run.name})
         report = release(cfg, tracker, model, inputs.tokenizer, meta,
                          {"val_loss": val_loss, "val_perplexity": ppl}, step, adapter,
-                         (data.val, data.val_fields) if cfg.train.objective == "dpo" else None)
+                         (data.val, data.val_fields) if cfg.train.objective == "dpo" else None, peft=peft)
         tracker.end_run("FINISHED")
     except BaseException as err:
         if isinstance(err, MemfitError):  # the reviewer sees why phase 5 failed (e.g. the ONNX parity figure)

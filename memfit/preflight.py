@@ -86,6 +86,10 @@ def preflight(cfg: MemfitConfig) -> None:
         from memfit.release.gguf import check_gguf_export
 
         check_gguf_export(_model_config(cfg.model), cfg.export.gguf_quants, cfg.export.gguf_converter)
+    if "gguf-adapter" in cfg.export.enabled_formats():  # no adapter, a QLoRA base, no converter: before training
+        from memfit.release.gguf_adapter import check_gguf_adapter_export
+
+        check_gguf_adapter_export(cfg.export, cfg.lora, cfg.export.gguf_converter)
     # S3 too: a missing bucket, bad credentials or a down endpoint fail here, in seconds, not after the probe.
     open_checkpoint_store(cfg).check_writable()
     from memfit.tracking import check_tracking

@@ -144,6 +144,9 @@ class ExportReport(_Report):
                                            "base checksum, and base + adapter against the merged export.")
     gguf: dict[str, Any] | None = Field(None, description="The GGUF folder (export.formats: gguf): each file's "
                                         "size and figures from llama.cpp against transformers, the Modelfile.")
+    gguf_adapter: dict[str, Any] | None = Field(None, description="The gguf-adapter folder (export.formats: "
+                                                "gguf-adapter): the adapter and base GGUF files, llama.cpp's "
+                                                "figures with and without the adapter, the Modelfile.")
     task_scores: dict[str, float] = Field(default_factory=dict, description="eval.tasks' scores on the export: "
                                           "eval/TASK/METRIC and its _stderr (memfit/evaluation/tasks.py).")
 

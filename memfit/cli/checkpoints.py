@@ -140,7 +140,8 @@ def export_cmd(
     adapter: Annotated[bool, typer.Option("--adapter", help="LoRA checkpoints: also write OUT/adapter (a peft "
                                                             "folder), verified with peft on its base.")] = False,
     format_: Annotated[list[str] | None, typer.Option("--format", help="Formats to write (repeat it): "
-                                                      "safetensors, onnx, adapter, gguf; SafeTensors always. Given, it "
+                                                      "safetensors, onnx, adapter, gguf, gguf-adapter; SafeTensors "
+                                                      "always. Given, it "
                                                       "replaces --onnx/--adapter.")] = None,
     quant: Annotated[list[str] | None, typer.Option("--quant", help="GGUF files to write (repeat it): f16, q8_0, "
                                                     "q4_k_m. Unset: the checkpoint's export.gguf_quants.")] = None,
@@ -153,12 +154,14 @@ def export_cmd(
             from memfit.release.from_checkpoint import export_checkpoint
 
         if format_:
-            unknown = sorted(set(format_) - {"safetensors", "onnx", "adapter", "gguf"})
+            unknown = sorted(set(format_) - {"safetensors", "onnx", "adapter", "gguf", "gguf-adapter"})
             if unknown:
-                raise ConfigError(f"--format {', '.join(unknown)}: not a format (safetensors, onnx, adapter, gguf)")
+                raise ConfigError(f"--format {', '.join(unknown)}: not a format (safetensors, onnx, adapter, gguf, "
+                                  "gguf-adapter)")
             onnx, adapter = "onnx" in format_, "adapter" in format_
         report = export_checkpoint(checkpoint_uri, out, onnx=onnx, onnx_only=onnx_only, upload_uri=upload,
-                                   overrides=set_, adapter=adapter, gguf="gguf" in (format_ or []), gguf_quants=quant)
+                                   overrides=set_, adapter=adapter, gguf="gguf" in (format_ or []), gguf_quants=quant,
+                                   gguf_adapter="gguf-adapter" in (format_ or []))
     except MemfitError as err:
         fail(err)
     from memfit.release.from_checkpoint import export_lines

@@ -14,7 +14,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-ExportFormat = Literal["safetensors", "onnx", "adapter", "gguf"]
+ExportFormat = Literal["safetensors", "onnx", "adapter", "gguf", "gguf-adapter"]
 GgufQuant = Literal["f16", "q8_0", "q4_k_m"]
 
 
@@ -38,7 +38,8 @@ class ExportConfig(Section):
         "it: safetensors (the merged HF folder, always: every other format is made from it and checked against it), "
         "onnx (onnxruntime parity), adapter (LoRA runs: the peft folder), gguf (llama.cpp / Ollama: "
         "export.gguf_quants, checked by llama-cpp-python; needs `pip install 'memfit[gguf]'` and `memfit "
-        "gguf-converter install`). Unset: safetensors, "
+        "gguf-converter install`), gguf-adapter (LoRA runs: the adapter as GGUF on its base's GGUF, for llama.cpp's "
+        "--lora and Ollama's ADAPTER). Unset: safetensors, "
         "plus onnx and adapter as export.onnx and export.adapter say (their older spelling, kept in step).")
     gguf_quants: list[GgufQuant] = Field(
         default_factory=lambda: ["f16", "q8_0"], min_length=1, description="GGUF files written to export.dir/gguf: "
@@ -50,6 +51,10 @@ class ExportConfig(Section):
         "`memfit gguf-converter install` put beside the packages (from the pinned llama-cpp-python sdist).")
     gguf_min_top1: GgufMinTop1 = Field(default_factory=lambda: GgufMinTop1(), description="Per GGUF file: the "
                                        "min top-1 agreement with transformers that verification accepts.")
+    gguf_adapter_base: str | None = Field(
+        None, description="export.formats gguf-adapter: a GGUF of the base model the run trained on that you already "
+        "have (e.g. the one you serve); the adapter is verified on it and the Modelfile's FROM names it by its path. "
+        "Unset: llama.cpp's converter writes the base itself (gguf-adapter/base-QUANT.gguf for export.gguf_quants).")
     onnx: bool = Field(True, description="Also export and verify ONNX (the same as listing onnx in export.formats).")
     adapter: bool = Field(False, description="LoRA runs: also write the adapter alone as a peft folder "
                           "(export.dir/adapter: adapter weights and config naming the base, the tokenizer and chat "
@@ -100,7 +105,7 @@ class ExportConfig(Section):
         """The formats to write, in the order they are written."""
         chosen = self.formats or ["safetensors", *(["onnx"] if self.onnx else []),
                                   *(["adapter"] if self.adapter else [])]
-        return [f for f in ("safetensors", "onnx", "adapter", "gguf") if f in chosen]
+        return [f for f in ("safetensors", "onnx", "adapter", "gguf", "gguf-adapter") if f in chosen]
 
 
 class MetricGate(Section):

@@ -42,6 +42,7 @@ class ExportFiles:
     onnx_error: str | None = None  # why the ONNX export failed; the SafeTensors export is still valid
     adapter_dir: str | None = None  # the verified peft folder (adapter.py), uploaded with the rest
     gguf_dir: str | None = None  # the verified GGUF folder (gguf_export.py), uploaded with the rest
+    gguf_adapter_dir: str | None = None  # the verified gguf-adapter folder (gguf_adapter.py), uploaded with the rest
     uploaded_uri: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -197,7 +198,7 @@ def onnx_redo_command(checkpoint_uri: str, out_dir: str) -> str:
 def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_only: bool = False,
                       upload_uri: str | None = None, overrides: list[str] | None = None,
                       adapter: bool = False, gguf: bool = False,
-                      gguf_quants: list[str] | None = None) -> dict[str, Any]:
+                      gguf_quants: list[str] | None = None, gguf_adapter: bool = False) -> dict[str, Any]:
     """`memfit export`: any training checkpoint (local or S3) → verified exports in out_dir (and upload_uri).
 
     `onnx_only` redoes just out_dir/model.onnx and leaves out_dir/hf alone; `overrides` (`export.onnx_rtol=…`)
@@ -214,8 +215,12 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
         loaded = resolve_checkpoint(uri, Path(tmp) / "checkpoint")
         cfg = config_from_checkpoint(loaded, uri, overrides)
         pin_threads(cfg.train.num_threads)
-        if adapter:
-            _check_adapter_export(cfg, loaded)
+        if adapter or gguf_adapter:
+            _check_adapter_export(cfg, loaded, "--adapter" if adapter else "--format gguf-adapter")
+        if gguf_adapter:  # the QLoRA base, the base GGUF, the converter: before minutes of export work
+            from memfit.release.gguf_adapter import check_gguf_adapter_export
+
+            check_gguf_adapter_export(cfg.export, cfg.lora, cfg.export.gguf_converter)
         model, tokenizer = model_for_checkpoint(cfg, Path(tmp) / "work")
         quants = list(gguf_quants or cfg.export.gguf_quants)
         if gguf:  # before minutes of export work: the converter and its families, the quant types, the packages
@@ -237,6 +242,13 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
 
             adapter_dir = write_adapter(model, tokenizer, Path(out_dir) / ADAPTER_DIR, cfg.model.name_or_path,
                                         quantize)
+        if gguf_adapter:  # llama.cpp's converter reads a peft folder: the adapter's, else one in the temp dir
+            from memfit.release.adapter import write_adapter
+            from memfit.release.gguf_adapter import PeftSource
+
+            peft = PeftSource(str(adapter_dir if adapter else write_adapter(
+                model, tokenizer, Path(tmp) / "peft", cfg.model.name_or_path, quantize)), cfg.model.name_or_path,
+                quantize)
         model = merge_lora(model)
         metadata = {"source_checkpoint": loaded.info.uri, "step": loaded.step,
                     "mlflow_run_id": loaded.state.get("mlflow_run_id"),
@@ -253,6 +265,16 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
                                       max_new_tokens=cfg.eval.max_new_tokens, name=cfg.run.name,
                                       converter=cfg.export.gguf_converter).to_dict()
             files.gguf_dir = gguf_report["dir"]
+        gguf_adapter_report = None
+        if gguf_adapter:
+            from memfit.release.gguf_adapter import ADAPTER_GGUF_DIR, export_gguf_adapter
+
+            gguf_adapter_report = export_gguf_adapter(
+                peft, files.safetensors_dir, Path(out_dir) / ADAPTER_GGUF_DIR, quants, prompts=cfg.eval.prompts,
+                min_top1=cfg.export.gguf_min_top1.model_dump(), max_new_tokens=cfg.eval.max_new_tokens,
+                base_gguf=cfg.export.gguf_adapter_base, converter=cfg.export.gguf_converter)
+            files.gguf_adapter_dir = gguf_adapter_report.dir
+            gguf_adapter_report = {**gguf_adapter_report.to_dict(), "summary": gguf_adapter_report.summary()}
         verified = None
         if adapter:  # base + adapter through peft against the merged model, before anything is uploaded
             from memfit.release.adapter import verify_adapter
@@ -268,7 +290,7 @@ def export_checkpoint(uri: str, out_dir: str | Path, *, onnx: bool = True, onnx_
     if upload_uri:
         files.uploaded_uri = upload_export(files, upload_uri, metadata)
     return {"checkpoint": loaded.info.uri, "step": loaded.step, "run_name": cfg.run.name, **files.to_dict(),
-            "metadata": metadata, "adapter": verified, "gguf": gguf_report}
+            "metadata": metadata, "adapter": verified, "gguf": gguf_report, "gguf_adapter": gguf_adapter_report}
 
 
 def export_lines(report: dict[str, Any]) -> list[str]:
@@ -298,19 +320,25 @@ def export_lines(report: dict[str, Any]) -> list[str]:
                      f"{f['max_kl']:.2g}")
     if report["gguf"]:
         lines.append(f"Modelfile: {report['gguf']['modelfile']}")
+    if report.get("gguf_adapter"):
+        g = report["gguf_adapter"]
+        lines.append(f"GGUF adapter: {g['adapter']} on {', '.join(Path(f['file']).name for f in g['files'])}; "
+                     f"llama.cpp vs the merged model: {g['summary']}")
+        lines.append(f"Modelfile: {g['modelfile']}")
     if report["uploaded_uri"]:
         lines.append(f"uploaded: {report['uploaded_uri']} (manifest.json last)")
     return lines
 
 
-def _check_adapter_export(cfg: Any, loaded: LoadedCheckpoint) -> None:
-    """--adapter needs a LoRA checkpoint and a base that outlives the export (not a preset rebuilt in a temp dir)."""
+def _check_adapter_export(cfg: Any, loaded: LoadedCheckpoint, flag: str = "--adapter") -> None:
+    """--adapter (and --format gguf-adapter) needs a LoRA checkpoint and a base that outlives the export (not a
+    preset rebuilt in a temp dir)."""
     from memfit.models.lora import is_lora_state
 
     if not is_lora_state(loaded.model_state):
-        raise ConfigError(f"--adapter: training checkpoint {loaded.info.uri} holds all weights (a full fine-tune), "
-                          "not LoRA adapters; export without --adapter")
+        raise ConfigError(f"{flag}: training checkpoint {loaded.info.uri} holds all weights (a full fine-tune), "
+                          f"not LoRA adapters; export without {flag}")
     if not cfg.model.name_or_path:
-        raise ConfigError(f"--adapter: the checkpoint's base is preset {cfg.model.preset}, rebuilt in a temporary "
+        raise ConfigError(f"{flag}: the checkpoint's base is preset {cfg.model.preset}, rebuilt in a temporary "
                           "folder, so the adapter would name a base that is gone; pass --set model.name_or_path="
                           "FOLDER of that base (the run's run.work_dir/presets/...) or use export.adapter in the run")

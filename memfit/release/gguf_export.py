@@ -173,10 +173,11 @@ def _reference(hf_dir: Path, tokenizer: Any, prompts: list[str], new: int) -> li
     return out
 
 
-def verify_file(path: Path, quant: str, tokenizer: Any,
-                ref: list[dict[str, Any]]) -> tuple[QuantFigures, bool | None]:
+def verify_file(path: Path, quant: str, tokenizer: Any, ref: list[dict[str, Any]],
+                lora: Path | None = None) -> tuple[QuantFigures, bool | None]:
     """Load `path` with llama.cpp as a user would; its tokens, greedy continuations and logits against `ref`; its
-    chat template (from the GGUF) rendered by llama-cpp-python's Jinja formatter against the tokenizer's."""
+    chat template (from the GGUF) rendered by llama-cpp-python's Jinja formatter against the tokenizer's. `lora`: a
+    GGUF LoRA adapter llama.cpp applies on the model (export.formats gguf-adapter)."""
     import numpy as np
     from llama_cpp import Llama
 
@@ -184,7 +185,7 @@ def verify_file(path: Path, quant: str, tokenizer: Any,
 
     longest = max(len(r["seq"]) for r in ref)
     llm = Llama(model_path=str(path), n_ctx=max(64, longest + 8), logits_all=True, verbose=False, seed=0,
-                n_threads=max(1, min(4, os.cpu_count() or 1)))
+                lora_path=str(lora) if lora else None, n_threads=max(1, min(4, os.cpu_count() or 1)))
     greedy, agree, positions, diff, kl = 0, 0, 0, 0.0, 0.0
     try:
         for r in ref:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 MODELFILE_NAME = "Modelfile"
@@ -101,6 +102,25 @@ def modelfile_text(gguf_name: str, tokenizer: Any, num_ctx: int) -> tuple[str, b
     return "\n".join(lines) + "\n", pieces is not None
 
 
+def with_adapter(text: str, base: str, adapter: str) -> str:
+    """A Modelfile whose FROM is the base GGUF (`base`: a name in the folder, or an absolute path to a base the
+    user already has) and whose ADAPTER is the LoRA adapter GGUF beside it: Ollama applies it to that base."""
+    ref = base if base.startswith("/") else f"./{base}"
+    lines = [f"FROM {ref}" if ln.startswith("FROM ") else ln for ln in text.splitlines()]
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("FROM "))
+    lines.insert(at + 1, f"ADAPTER ./{adapter}")
+    return "\n".join(lines) + "\n"
+
+
+def check_paths(parsed: list[tuple[str, str]], folder: Path) -> None:
+    """Every FROM and ADAPTER that names a file (./NAME relative to the Modelfile, or /absolute) exists, as
+    `ollama create` needs; ValueError naming the first missing one. A FROM naming a model (llama3.2) is not a file."""
+    for word, arg in parsed:
+        named_file = word in ("FROM", "ADAPTER") and arg.startswith(("./", "../", "/"))
+        if named_file and not (folder / arg).is_file():
+            raise ValueError(f"{word} {arg}: no such file beside the Modelfile ({folder})")
+
+
 def _quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -133,6 +153,8 @@ def parse_modelfile(text: str) -> list[tuple[str, str]]:
                 raise ValueError(f"line {i}: unclosed quote in {arg!r}")
         if word.upper() == "TEMPLATE":
             check_go_template(arg)
+        if word.upper() == "ADAPTER" and not arg.strip():
+            raise ValueError(f"line {i}: ADAPTER needs the adapter's path (a GGUF or safetensors LoRA)")
         out.append((word.upper(), arg))
     if not out or out[0][0] != "FROM":
         raise ValueError("a Modelfile starts with FROM")

@@ -25,10 +25,11 @@ log = logging.getLogger("memfit.release")
 
 
 def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: dict[str, Any],
-            metrics: dict[str, float], step: int, adapter: AdapterExport | None = None, pairs: Any = None
-            ) -> ExportReport:
+            metrics: dict[str, float], step: int, adapter: AdapterExport | None = None, pairs: Any = None,
+            peft: Any = None) -> ExportReport:
     """Verified exports, their upload and MLflow artifacts, the loss curve, then the gate and the registry.
     `pairs`: a DPO run's held-out preference pairs (rows, fields), scored on the export and the champion.
+    `peft`: a LoRA run's peft folder and base (gguf_adapter.PeftSource), for export.formats gguf-adapter.
 
     A failed ONNX export does not stop the rest: the report's `onnx_error` says what failed and how to redo it.
     """
@@ -45,13 +46,24 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                            converter=cfg.export.gguf_converter)
         tracker.log_metrics(gguf.metrics(), step=step)
         files.gguf_dir = gguf.dir
+    gguf_adapter = None
+    if peft is not None and "gguf-adapter" in cfg.export.enabled_formats():  # checked by llama.cpp vs the merged
+        from memfit.release.gguf_adapter import ADAPTER_GGUF_DIR, export_gguf_adapter
+
+        gguf_adapter = export_gguf_adapter(
+            peft, files.safetensors_dir, Path(cfg.export.dir) / ADAPTER_GGUF_DIR, cfg.export.gguf_quants,
+            prompts=cfg.eval.prompts, min_top1=cfg.export.gguf_min_top1.model_dump(),
+            max_new_tokens=cfg.eval.max_new_tokens, base_gguf=cfg.export.gguf_adapter_base,
+            converter=cfg.export.gguf_converter)
+        tracker.log_metrics(gguf_adapter.metrics(), step=step)
+        files.gguf_adapter_dir = gguf_adapter.dir
     task_scores: dict[str, float] = {}
     if cfg.eval.tasks or cfg.eval.sets or pairs is not None:  # the export as users load it, and the champion
         task_scores = judge(cfg, files.safetensors_dir, str(resolve_device(cfg.train.device)), tracker, step,
                             Path(cfg.run.work_dir) / "eval" / str(meta["mlflow_run_id"]), str(meta["mlflow_run_id"]),
                             pairs)
         metrics = {**metrics, **task_scores}
-    tags = format_tags(files, adapter, gguf)
+    tags = format_tags(files, adapter, gguf, gguf_adapter)
     onnx_error = None
     if files.onnx_max_abs_diff is not None:
         worst = max(files.onnx_parity, key=lambda p: p["relative"])
@@ -86,12 +98,15 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
         tracker.log_artifact(adapter.dir, "export/adapter")
     if gguf is not None:
         tracker.log_artifact(gguf.dir, "export/gguf")
+    if gguf_adapter is not None:
+        tracker.log_artifact(gguf_adapter.dir, "export/gguf-adapter")
     on_tracker(tracker, log_loss_curve, cfg.run.name)
     summary = {"val_loss": round(metrics["val_loss"], 5), "val_perplexity": round(metrics["val_perplexity"], 4),
                "onnx_max_abs_diff": files.onnx_max_abs_diff, "onnx_error": files.onnx_error,
                "export": files.dir, "uploaded_to": files.uploaded_uri,
                **({"adapter": adapter.dir, "adapter_max_abs_diff": adapter.max_abs_diff} if adapter else {}),
                **({"gguf": gguf.dir} if gguf else {}),
+               **({"gguf_adapter": gguf_adapter.dir} if gguf_adapter else {}),
                **{k: round(v, 4) for k, v in task_scores.items()
                   if k.startswith("eval/") and not k.endswith(("_stderr", "/examples"))},
                **({"gate": outcome.gate_reason, "registered": f"{outcome.model_name} v{outcome.version}"
@@ -103,13 +118,16 @@ def release(cfg: MemfitConfig, tracker: Any, model: Any, tokenizer: Any, meta: d
                         onnx_opset=files.onnx_opset, source_checkpoint=str(meta["source_checkpoint"]),
                         export_uri=files.uploaded_uri, registry=outcome.to_dict() if outcome else None,
                         onnx_error=onnx_error, task_scores=task_scores,
-                        adapter=adapter.to_dict() if adapter else None, gguf=gguf.to_dict() if gguf else None)
+                        adapter=adapter.to_dict() if adapter else None, gguf=gguf.to_dict() if gguf else None,
+                        gguf_adapter=gguf_adapter.to_dict() if gguf_adapter else None)
 
 
-def format_tags(files: ExportFiles, adapter: AdapterExport | None, gguf: Any) -> dict[str, str]:
+def format_tags(files: ExportFiles, adapter: AdapterExport | None, gguf: Any, gguf_adapter: Any = None
+                ) -> dict[str, str]:
     """memfit.format.NAME per written format, with its verification figures: on the run and the registry version."""
     tags = {"memfit.formats": ",".join(n for n, done in (("safetensors", True), ("onnx", files.onnx_path),
-                                                        ("adapter", adapter), ("gguf", gguf)) if done),
+                                                        ("adapter", adapter), ("gguf", gguf),
+                                                        ("gguf-adapter", gguf_adapter)) if done),
             "memfit.format.safetensors": f"reloaded max |diff| {files.safetensors_max_abs_diff:.2e}"}
     if files.onnx_path:
         tags["memfit.format.onnx"] = f"onnxruntime parity max |diff| {files.onnx_max_abs_diff:.2e}"
@@ -120,6 +138,8 @@ def format_tags(files: ExportFiles, adapter: AdapterExport | None, gguf: Any) ->
         tags["memfit.format.gguf"] = "; ".join(
             f"{f.quant}: greedy {f.greedy_equal}/{f.prompts}, top-1 {f.top1_agree:.1%}, max KL {f.max_kl:.2g}"
             for f in gguf.files) + f"; chat template equal: {gguf.chat_template_equal}"
+    if gguf_adapter is not None:
+        tags["memfit.format.gguf-adapter"] = gguf_adapter.summary()
     return tags
 
 

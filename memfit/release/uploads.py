@@ -16,10 +16,11 @@ log = logging.getLogger("memfit.exporting")
 
 EXPORT_MANIFEST = "manifest.json"  # written last: a prefix without it holds no complete export
 EXPORT_FORMAT = "memfit-export/1"
-FORMATS = ("safetensors", "onnx", "adapter", "gguf")
+FORMATS = ("safetensors", "onnx", "adapter", "gguf", "gguf-adapter")
 # Where each format's files sit, in the export folder and under the upload's prefix.
-FOLDERS = {"hf": "safetensors", "adapter": "adapter", "gguf": "gguf"}
-FORMAT_MANIFESTS = {"safetensors": "memfit-export.json", "adapter": "memfit-adapter.json", "gguf": "memfit-gguf.json"}
+FOLDERS = {"hf": "safetensors", "adapter": "adapter", "gguf": "gguf", "gguf-adapter": "gguf-adapter"}
+FORMAT_MANIFESTS = {"safetensors": "memfit-export.json", "adapter": "memfit-adapter.json", "gguf": "memfit-gguf.json",
+                    "gguf-adapter": "memfit-gguf-adapter.json"}
 
 
 def format_of(key: str) -> str:
@@ -38,7 +39,8 @@ def export_parts(files: Any) -> dict[str, tuple[str, Path]]:
         for p in (onnx, onnx.with_name(onnx.name + ".data"), onnx.with_name(onnx.name + ".memfit.json")):
             if p.is_file():
                 parts[p.relative_to(files.dir).as_posix()] = ("onnx", p)
-    return {**parts, **_folder_parts("adapter", files.adapter_dir), **_folder_parts("gguf", files.gguf_dir)}
+    return {**parts, **_folder_parts("adapter", files.adapter_dir), **_folder_parts("gguf", files.gguf_dir),
+            **_folder_parts("gguf-adapter", files.gguf_adapter_dir)}
 
 
 def _folder_parts(prefix: str, folder: str | None) -> dict[str, tuple[str, Path]]:
@@ -68,6 +70,10 @@ def format_summary(files: Any) -> dict[str, dict[str, Any]]:
     if files.gguf_dir:
         doc = json.loads((Path(files.gguf_dir) / FORMAT_MANIFESTS["gguf"]).read_text())
         out["gguf"] = {"dir": "gguf", "quants": [f["quant"] for f in doc["verification"]["files"]]}
+    if files.gguf_adapter_dir:  # the base GGUF a user brought stays theirs: named, not uploaded
+        doc = json.loads((Path(files.gguf_adapter_dir) / FORMAT_MANIFESTS["gguf-adapter"]).read_text())
+        out["gguf-adapter"] = {"dir": "gguf-adapter", "base_model": doc["base_model"], "base_gguf": doc["base_gguf"],
+                               "base_quants": [f["quant"] for f in doc["verification"]["files"]]}
     return out
 
 
