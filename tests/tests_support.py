@@ -45,3 +45,18 @@ def tiny_overrides(root: Path, mlflow_uri: str | None = None, **extra: object) -
     }
     items.update({k: v for k, v in extra.items()})
     return [f"{k}={v}" for k, v in items.items()]
+
+
+def skip_without_gguf_tools() -> None:
+    """Skip the calling test module without llama-cpp-python or llama.cpp's converter, with the reason (the converter's
+    names the command that installs it: `memfit gguf-converter install`)."""
+    import pytest
+
+    pytest.importorskip("llama_cpp")
+    from memfit.errors import ConfigError
+    from memfit.release.gguf_converter import find
+
+    try:
+        find()
+    except ConfigError as err:
+        pytest.skip(str(err), allow_module_level=True)

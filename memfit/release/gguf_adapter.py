@@ -138,7 +138,7 @@ def export_gguf_adapter(peft: PeftSource, merged_dir: str | Path, final: str | P
 
     from memfit.release.gguf import pre_tokenizer, quantize, tokenizer_doc
     from memfit.release.gguf_converter import find, run
-    from memfit.release.gguf_export import _reference, verify_file
+    from memfit.release.gguf_export import _reference, judge, verify_file
     from memfit.release.modelfile import MODELFILE_NAME, check_paths, modelfile_text, parse_modelfile, with_adapter
 
     if peft.quantization != "none":
@@ -172,8 +172,9 @@ def export_gguf_adapter(peft: PeftSource, merged_dir: str | Path, final: str | P
         ref = _reference(merged_dir, tokenizer, prompts, max_new_tokens)
         for path, quant in bases:
             figures, result.chat_template_equal = verify_file(path, quant, tokenizer, ref, lora=adapter)
-            _judge(figures, path, min_top1, tokenizer.chat_template if not base_gguf else None,
-                   result.chat_template_equal)
+            judge(figures, min_top1, tokenizer.chat_template if not base_gguf else None,
+                  result.chat_template_equal, what=f"gguf-adapter: {ADAPTER_FILE} on {path.name}",
+                  reference="the merged model", meaning="base + adapter do not compute the trained model")
             result.files.append(figures)
         served = next(((p, q) for p, q in bases if q != "f16"), bases[0])
         result.without_adapter = verify_file(served[0], served[1], tokenizer, ref)[0]
@@ -204,20 +205,3 @@ def _record(conv: Any, base_too: bool) -> dict[str, str]:
     """The converter's record (llama-cpp-python version, llama.cpp commit, sdist sha256), naming the scripts run."""
     scripts = "convert_lora_to_gguf.py" + (", convert_hf_to_gguf.py (the base)" if base_too else "")
     return {**conv.record(), "converter": f"llama.cpp {scripts}"}
-
-
-def _judge(f: Any, path: Path, min_top1: dict[str, float], template: str | None, template_equal: bool | None) -> None:
-    """The gguf export's rules for base + adapter: f16 gives the merged model's greedy tokens on every prompt, every
-    file reaches its top-1 bound; a base memfit wrote carries the run's chat template."""
-    what = f"gguf-adapter: {ADAPTER_FILE} on {path.name}"
-    if f.quant == "f16" and f.greedy_equal < f.prompts:
-        raise ExportError(f"{what}: llama.cpp's greedy tokens differ from the merged model's on "
-                          f"{f.prompts - f.greedy_equal} of {f.prompts} prompts (top-1 agreement {f.top1_agree:.1%}, "
-                          f"max KL {f.max_kl:.2g}): base + adapter do not compute the trained model")
-    bound = min_top1.get(f.quant, 0.0)
-    if not f.top1_agree >= bound:
-        raise ExportError(f"{what}: top-1 agreement with the merged model {f.top1_agree:.1%} is below "
-                          f"export.gguf_min_top1.{f.quant} = {bound:.0%} (max KL {f.max_kl:.2g})")
-    if template and template_equal is False:
-        raise ExportError(f"{what}: the chat template in the base GGUF renders a conversation differently from "
-                          "the tokenizer's")

@@ -89,7 +89,7 @@ def export_gguf(hf_dir: str | Path, final: str | Path, quants: list[str], *, pro
             figures, template_equal = verify_file(path, quant, tokenizer, ref)
             result.files.append(figures)
             result.chat_template_equal = template_equal
-            _judge(figures, min_top1, tokenizer.chat_template, template_equal)
+            judge(figures, min_top1, tokenizer.chat_template, template_equal)
         if "f16" not in quants:
             f16.unlink()
         served = next((q for q in quants if q != "f16"), "f16")
@@ -140,18 +140,23 @@ def _architecture(path: Path) -> str:
         llm.close()
 
 
-def _judge(f: QuantFigures, min_top1: dict[str, float], template: str | None, template_equal: bool | None) -> None:
-    name = Path(f.file).name
+def judge(f: QuantFigures, min_top1: dict[str, float], template: str | None, template_equal: bool | None, *,
+          what: str | None = None, reference: str = "transformers",
+          meaning: str = "the conversion does not compute the trained model") -> None:
+    """The rules a GGUF file passes (also base + adapter, gguf_adapter.py): f16 gives the reference's greedy tokens
+    on every prompt, every file reaches its top-1 bound, a chat template renders as the tokenizer's."""
+    what = what or f"gguf: {Path(f.file).name}"
+    owner = reference + ("'" if reference.endswith("s") else "'s")
     if f.quant == "f16" and f.greedy_equal < f.prompts:
-        raise ExportError(f"gguf: {name}: llama.cpp's greedy tokens differ from transformers' on "
+        raise ExportError(f"{what}: llama.cpp's greedy tokens differ from {owner} on "
                           f"{f.prompts - f.greedy_equal} of {f.prompts} prompts (top-1 agreement {f.top1_agree:.1%}, "
-                          f"max KL {f.max_kl:.2g}): the conversion does not compute the trained model")
+                          f"max KL {f.max_kl:.2g}): {meaning}")
     bound = min_top1.get(f.quant, 0.0)
     if not f.top1_agree >= bound:
-        raise ExportError(f"gguf: {name}: top-1 agreement with transformers {f.top1_agree:.1%} is below "
+        raise ExportError(f"{what}: top-1 agreement with {reference} {f.top1_agree:.1%} is below "
                           f"export.gguf_min_top1.{f.quant} = {bound:.0%} (max KL {f.max_kl:.2g})")
     if template and template_equal is False:
-        raise ExportError(f"gguf: {name}: the chat template in the GGUF renders a conversation differently from "
+        raise ExportError(f"{what}: the chat template in the GGUF renders a conversation differently from "
                           "the tokenizer's")
 
 

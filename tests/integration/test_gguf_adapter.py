@@ -15,7 +15,6 @@ import pytest
 import torch
 from tests_support import cli_in_process, tiny_overrides
 
-pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

@@ -11,15 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests_support import cli_in_process, tiny_overrides
+from tests_support import cli_in_process, skip_without_gguf_tools, tiny_overrides
 
-pytest.importorskip("llama_cpp")
-try:  # every test here converts with llama.cpp's converter: without it, skipped with the command that installs it
-    from memfit.release.gguf_converter import find as _find
-
-    _find()
-except Exception as _err:  # noqa: BLE001 - a ConfigError naming the folder and `memfit gguf-converter install`
-    pytest.skip(str(_err), allow_module_level=True)
+skip_without_gguf_tools()
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["one two three", "the red fox", "3 plus 4 is"]

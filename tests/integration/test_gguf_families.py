@@ -8,14 +8,9 @@ from pathlib import Path
 
 import pytest
 from family_support import GGUF_FAMILIES, family_folder
+from tests_support import skip_without_gguf_tools
 
-pytest.importorskip("llama_cpp")
-try:  # every test here converts with llama.cpp's converter: without it, skipped with the command that installs it
-    from memfit.release.gguf_converter import find as _find
-
-    _find()
-except Exception as _err:  # noqa: BLE001 - a ConfigError naming the folder and `memfit gguf-converter install`
-    pytest.skip(str(_err), allow_module_level=True)
+skip_without_gguf_tools()
 pytestmark = pytest.mark.integration
 # Two prompts, 6 new tokens: 24 positions compared per file; digits, which Qwen2's tokenizer splits singly.
 PROMPTS = ["one two three", "3 plus 4 is"]
