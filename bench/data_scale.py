@@ -166,6 +166,8 @@ def main() -> None:
     ap.add_argument("--num-proc", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "docs")
     ap.add_argument("--scratch", type=Path, default=None, help="where corpora and caches go (default: a temp dir)")
+    ap.add_argument("--merge", action="store_true", help="keep <out>/data_scale.json's rows of other sizes (each "
+                    "row says when and under what load it was measured)")
     args = ap.parse_args()
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="memfit-data-scale-"))
     scratch.mkdir(parents=True, exist_ok=True)
@@ -175,17 +177,23 @@ def main() -> None:
         if not corpus.is_file():
             generate(corpus, n)
         tok = tokenizer_dir(scratch / "tokenizer", corpus)
-        row = {"records": n, "mb": round(corpus.stat().st_size / 1e6, 1)}
+        row = {"records": n, "mb": round(corpus.stat().st_size / 1e6, 1),
+               "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": os.getloadavg()[0]}
         for name, script in (("memfit", MEMFIT), ("datasets", DATASETS)):
             with tempfile.TemporaryDirectory(dir=scratch) as work:
                 row[name] = measure(script, [str(corpus), str(tok), work, str(args.num_proc)])
         row["rss_ratio"] = round(row["memfit"]["peak_rss_gb"] / row["datasets"]["peak_rss_gb"], 2)
         row["time_ratio"] = round(row["memfit"]["wall_s"] / row["datasets"]["wall_s"], 2)
+        row["load_after"] = os.getloadavg()[0]
         results.append(row)
         print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "data_scale.json").write_text(json.dumps({"num_proc": args.num_proc, "seq_len": SEQ_LEN,
-                                                          "results": results}, indent=1) + "\n")
+    previous = args.out / "data_scale.json"
+    kept: dict = json.loads(previous.read_text()) if args.merge and previous.is_file() else {}
+    others = [r for r in kept.get("results", []) if r["records"] not in args.sizes]
+    results = sorted(others + results, key=lambda r: r["records"])
+    kept.update({"num_proc": args.num_proc, "seq_len": SEQ_LEN, "results": results})
+    previous.write_text(json.dumps(kept, indent=1) + "\n")
     plot(results, args.out / "data_scale.png")
     print("| records | MB | blocks | memfit RSS / PSS GB | datasets RSS / PSS GB | RSS ratio | memfit s | datasets s "
           "| time ratio |")
