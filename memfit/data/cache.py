@@ -17,6 +17,7 @@ import torch
 
 from memfit.config import MemfitConfig
 from memfit.data import shared
+from memfit.data.arrow_examples import prepare_examples
 from memfit.data.arrow_text import prepare_text_blocks
 from memfit.data.prepare import DataBundle, prepare_data
 from memfit.data.source import DataSource
@@ -88,7 +89,8 @@ def _plain_blocks(cfg: MemfitConfig, texts: Any) -> bool:
 
 
 def _prepare_into(tmp: Path, cfg: MemfitConfig, texts: Any, digest: str, tokenizer: Any) -> None:
-    """The packed rows as .npy files and meta.json in `tmp`: plain text out of core, the rest in memory."""
+    """The packed rows as .npy files and meta.json in `tmp`: records of data.path out of core (plain text blocks by
+    arrow_text, every other format and packing by arrow_examples); the synthetic corpus or given texts in memory."""
     if _plain_blocks(cfg, texts):
         rows = prepare_text_blocks(cfg.data, tokenizer, tmp, num_proc(cfg.data), texts.arrow_dir)
         if rows is not None:
@@ -102,6 +104,9 @@ def _prepare_into(tmp: Path, cfg: MemfitConfig, texts: Any, digest: str, tokeniz
                      "tokens (out of core, %d process(es))", stats["examples"], rows[0], rows[1], seq_len,
                      num_proc(cfg.data))
             return
+    if isinstance(texts, DataSource) and prepare_examples(cfg, tokenizer, tmp, num_proc(cfg.data), texts.arrow_dir,
+                                                          digest):
+        return
     bundle = prepare_data(cfg, tokenizer, _corpus(cfg, texts))
     for name, t in _tensors(bundle).items():
         np.save(tmp / f"{name}.npy", t.contiguous().numpy())

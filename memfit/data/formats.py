@@ -142,8 +142,9 @@ def _read_hub(name: str, split: str, cache_dir: str) -> Any:
                         f"({_root_cause(err)}); check the id, the split (data.split) and the network") from None
 
 
-def detect_format(columns: list[str], cfg: DataConfig, where: str) -> str:
-    """The record layout data.format names, or under auto the one the columns show (logged with the reason)."""
+def detect_format(columns: list[str], cfg: DataConfig, where: str, quiet: bool = False) -> str:
+    """The record layout data.format names, or under auto the one the columns show (logged with the reason,
+    unless `quiet`: a second pass over records already recognised)."""
     fields = ", ".join(columns) or "none"
     if cfg.format != "auto":
         return cfg.format
@@ -159,7 +160,8 @@ def detect_format(columns: list[str], cfg: DataConfig, where: str) -> str:
         raise DataError(f"data.text_field: the records at {where} have no {cfg.text_field!r} field (nor "
                         f"{cfg.messages_field!r}, nor {cfg.prompt_field!r} + {cfg.completion_field!r}; fields: "
                         f"{fields}); set data.text_field, or data.format and its field names")
-    log.info("data: format %s recognised in %s (%s)", fmt, where, why)
+    if not quiet:
+        log.info("data: format %s recognised in %s (%s)", fmt, where, why)
     return fmt
 
 

@@ -48,6 +48,19 @@ def last_run(mask: list[int]) -> list[int]:
 
 def encode_examples(corpus: Corpus, tokenizer: Any, data: DataConfig) -> list[Encoded]:
     """(input_ids, labels) of every example under data.train_on; each example ends with eos (or the template's)."""
+    out, no_answer = encode_counted(corpus, tokenizer, data)
+    warn_no_answer(no_answer)
+    return out
+
+
+def warn_no_answer(no_answer: int) -> None:
+    if no_answer:
+        log.warning("data: %d conversation(s) have no assistant turn: nothing in them is trained", no_answer)
+
+
+def encode_counted(corpus: Corpus, tokenizer: Any, data: DataConfig) -> tuple[list[Encoded], int]:
+    """encode_examples without the log: (encoded, conversations with no trained turn), so a worker encoding one
+    slice of the records reports its count and the parent logs the sum once."""
     fmt, train_on, eos = corpus.format, data.train_on, eos_id(tokenizer)
     if fmt == "text":
         if train_on != "all":
@@ -57,7 +70,7 @@ def encode_examples(corpus: Corpus, tokenizer: Any, data: DataConfig) -> list[En
         for ids in _token_ids(tokenizer, [e["text"] for e in corpus.examples]):
             ids = [*ids, eos]
             out.append((ids, list(ids)))
-        return out
+        return out, 0
     if fmt == "prompt_completion":
         prompts = _token_ids(tokenizer, [e["prompt"] for e in corpus.examples])
         completions = _token_ids(tokenizer, [e["completion"] for e in corpus.examples])
@@ -66,7 +79,7 @@ def encode_examples(corpus: Corpus, tokenizer: Any, data: DataConfig) -> list[En
         for p, c in zip(prompts, completions, strict=True):
             c = [*c, eos]
             out.append(([*p, *c], [*([IGNORE] * len(p)), *c] if train_on != "all" else [*p, *c]))
-        return out
+        return out, 0
     chat_template(tokenizer, data)  # fails once, clearly, for a missing template
     out, no_answer, source = [], 0, template_source(data)
     for example, where in zip(corpus.examples, corpus.origins, strict=True):
@@ -77,9 +90,7 @@ def encode_examples(corpus: Corpus, tokenizer: Any, data: DataConfig) -> list[En
         if train_on != "all" and not any(mask):
             no_answer += 1
         out.append((ids, ids if train_on == "all" else [t if m else IGNORE for t, m in zip(ids, mask, strict=True)]))
-    if no_answer:
-        log.warning("data: %d conversation(s) have no assistant turn: nothing in them is trained", no_answer)
-    return out
+    return out, no_answer
 
 
 def fit_overlong(encoded: list[Encoded], origins: list[tuple[str, int]], seq_len: int, policy: str, field: str

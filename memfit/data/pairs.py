@@ -59,6 +59,27 @@ def encode_pairs(corpus: Corpus, tokenizer: Any, data: DataConfig, pad_id: int
                  ) -> tuple[dict[str, torch.Tensor], list[int], dict[str, Any]]:
     """(rows, kept pair -> corpus index, counts): one pair a row, chosen under the usual names and rejected under
     REJECTED + name, each right-padded to data.seq_len (batches are cut to their longest side)."""
+    chosen, rejected, index, counts = encode_sides(corpus, tokenizer, data)
+    check_kept(len(chosen), counts, data)
+    rows, _ = pack_padded(chosen, data.seq_len, pad_id)
+    other, _ = pack_padded(rejected, data.seq_len, pad_id)
+    rows.update({REJECTED + k: v for k, v in other.items()})
+    return rows, index, counts
+
+
+def check_kept(kept: int, counts: dict[str, int], data: DataConfig) -> None:
+    """No pair left is an error; pairs cut or dropped are logged once (for the whole data, not a slice of it)."""
+    if not kept:
+        raise DataError(f"data.overlong: every pair is longer than data.seq_len={data.seq_len} and was dropped; "
+                        "raise data.seq_len")
+    if counts["truncated"] or counts["dropped"]:
+        log.warning("data: %d pair(s) longer than data.seq_len=%d truncated, %d dropped (data.overlong=%s)",
+                    counts["truncated"], data.seq_len, counts["dropped"], data.overlong)
+
+
+def encode_sides(corpus: Corpus, tokenizer: Any, data: DataConfig
+                 ) -> tuple[list[Encoded], list[Encoded], list[int], dict[str, int]]:
+    """(chosen sides, rejected sides, kept pair -> corpus index, counts), each side within data.seq_len."""
     if not isinstance(corpus.examples[0]["prompt"], str):
         chat_template(tokenizer, data)  # fails once, clearly, for a missing template
     eos = eos_id(tokenizer)
@@ -81,16 +102,7 @@ def encode_pairs(corpus: Corpus, tokenizer: Any, data: DataConfig, pad_id: int
         chosen.append(sides[0])
         rejected.append(sides[1])
         index.append(i)
-    if not chosen:
-        raise DataError(f"data.overlong: every pair is longer than data.seq_len={data.seq_len} and was dropped; "
-                        "raise data.seq_len")
-    if counts["truncated"] or counts["dropped"]:
-        log.warning("data: %d pair(s) longer than data.seq_len=%d truncated, %d dropped (data.overlong=%s)",
-                    counts["truncated"], data.seq_len, counts["dropped"], data.overlong)
-    rows, _ = pack_padded(chosen, data.seq_len, pad_id)
-    other, _ = pack_padded(rejected, data.seq_len, pad_id)
-    rows.update({REJECTED + k: v for k, v in other.items()})
-    return rows, index, counts
+    return chosen, rejected, index, counts
 
 
 def with_rejected_side(fields: dict[str, torch.Tensor], trained: list[int], real: list[int]

@@ -88,25 +88,32 @@ class DataSource:
 
     def digest(self) -> str:
         """data_digest of the records (formats.data_digest), from the record of an earlier read when there is
-        one; else the records are read (and checked) here, plain text without holding them (arrow_text)."""
+        one; else the records are read (and checked) here a batch at a time, without holding them (arrow_text,
+        arrow_examples)."""
         if self._digest is None:
             known = self.known()
             if self.data.streaming:  # the records are checked as they stream: the files' bytes name the data
                 self._digest = self.fingerprint
             elif known is not None:
                 self._digest = str(known["digest"])
-            else:
+            elif self.fingerprint in _CORPORA:  # read already in this process: its digest costs nothing more
+                corpus = self.corpus()
+                self.remember(corpus.digest(), corpus.format, len(corpus.examples))
+            else:  # checked and digested a batch of records at a time, never all held
+                from memfit.data.arrow_examples import scan_records
                 from memfit.data.arrow_text import scan_text
 
-                # Only plain blocks are packed out of core; other layouts read the records into memory anyway.
-                streamed = self.data.packing == "blocks" and self.data.train_on == "all"
-                scanned = (scan_text(self.data, self.arrow_dir) if streamed and self.fingerprint not in _CORPORA
-                           else None)
-                if scanned is not None:
-                    self.remember(scanned.digest, "text", scanned.examples)
+                plain = self.data.packing == "blocks" and self.data.train_on == "all"
+                text = scan_text(self.data, self.arrow_dir) if plain else None
+                if text is not None:
+                    self.remember(text.digest, "text", text.examples)
                 else:
-                    corpus = self.corpus()
-                    self.remember(corpus.digest(), corpus.format, len(corpus.examples))
+                    scanned = scan_records(self.data, self.arrow_dir)
+                    if scanned is None:  # the synthetic corpus: small, made in memory
+                        corpus = self.corpus()
+                        self.remember(corpus.digest(), corpus.format, len(corpus.examples))
+                    else:
+                        self.remember(scanned.digest, scanned.format, scanned.examples)
         assert self._digest is not None
         return self._digest
 

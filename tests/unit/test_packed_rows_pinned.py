@@ -138,7 +138,8 @@ def test_packed_rows_are_byte_identical_to_the_recorded_ones(digests):
 
 @pytest.mark.parametrize("num_proc", [1, 2])
 def test_prepared_once_through_the_cache_gives_the_same_rows(tok, tmp_path_factory, num_proc, caplog):
-    """The way a run prepares (a DataSource, out of core for plain text, .npy memory-mapped): the recorded bytes."""
+    """The way a run prepares (a DataSource, records out of core in every format, one process or two workers, .npy
+    memory-mapped): the recorded bytes, the held-out prompts and the counts included."""
     from memfit.data.cache import cached_data
     from memfit.data.source import DataSource
 
@@ -146,7 +147,7 @@ def test_prepared_once_through_the_cache_gives_the_same_rows(tok, tmp_path_facto
     recorded = json.loads(FIXTURE.read_text())
     work = tmp_path_factory.mktemp("work")
     for name, source, data, objective in CASES:
-        if source is None or (num_proc == 2 and not name.startswith(("text", "txt", "folder", "saved_dict"))):
+        if source is None:
             continue
         data = {"seq_len": 64, "val_fraction": 0.2, "seed": 11, "synthetic_docs": 120, "heldout_prompts": 3,
                 "num_proc": num_proc, "path": str(sources[source]), **data}
@@ -160,6 +161,7 @@ def test_prepared_once_through_the_cache_gives_the_same_rows(tok, tmp_path_facto
         said = [r.getMessage() for r in caplog.records]
         assert sum("data: prepared in" in m for m in said) == 1 and sum("reused" in m for m in said) == 1, said
         assert sum("recognised" in m for m in said) <= 1, said
+        assert sum("out of core" in m for m in said) == 1, said  # never the in-memory path
 
 
 def test_digest_sees_a_one_token_change(tok, tmp_path):

@@ -1,0 +1,283 @@
+"""Records of every format out of core: read a slice at a time from Arrow, encoded in workers, packed on disk."""
+
+# The rows are the bytes prepare.prepare_data makes (tests/unit/test_packed_rows_pinned.py runs both); what changes
+# is that no process holds the records or their tokens: a slice of records becomes Python objects at a time, worker
+# processes encode slices (templates, masks, overlong), the token ids and labels go to files, and the rows are
+# gathered from those files into the .npy files the trainer memory-maps. Only small per-example arrays (lengths,
+# indices) and the padding-free bins stay in memory.
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import tempfile
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memfit.config import DataConfig, MemfitConfig
+from memfit.data.files import blank_data
+from memfit.data.packed_files import Flat, write_rows
+from memfit.errors import DataError
+
+log = logging.getLogger("memfit.data")
+SLICE = 2048  # records a worker encodes at once
+Slice = tuple[str, list[dict[str, Any]], list[tuple[str, int]]]  # (format, examples, origins)
+
+
+@dataclass
+class Scanned:
+    digest: str  # formats.data_digest of the records
+    format: str
+    examples: int
+
+
+def _slices(data: DataConfig, cache_dir: str, quiet: bool = False, tables: list[Any] | None = None
+            ) -> Iterator[Slice]:
+    """Every record checked and normalised (formats.normalise), SLICE at a time, in load_texts' order; blank texts
+    dropped as load_texts drops them. `tables` collects (where, rows) of each source read, for finding a record
+    again by its index."""
+    from memfit.data.formats import _tables, detect_format, normalise, record_lines
+
+    seen: str | None = None
+    for where, ds, suffix in _tables(data, cache_dir):
+        if ds.num_rows == 0:
+            continue
+        is_txt = suffix == ".txt"  # paragraphs are text whatever data.format says for the other files
+        fmt = "text" if is_txt else detect_format(list(ds.column_names), data, where, quiet=quiet)
+        if seen is not None and fmt != seen:
+            raise DataError(f"data.path: {data.path} mixes formats ({', '.join(sorted({fmt, seen}))}); "
+                            "keep one format per run (or set data.format)")
+        seen = fmt
+        cfg = data.model_copy(update={"text_field": "text"}) if is_txt else data
+        numbers = record_lines(Path(where), suffix, ds.num_rows)
+        if tables is not None:
+            tables.append((where, ds))
+        for start in range(0, ds.num_rows, SLICE):
+            rows = ds.select(range(start, min(start + SLICE, ds.num_rows))).to_list()
+            examples = normalise(rows, fmt, cfg, where, numbers[start:start + SLICE])
+            origins = [(where, n) for n in numbers[start:start + SLICE]]
+            if fmt == "text":
+                keep = [i for i, e in enumerate(examples) if e["text"].strip()]
+                examples, origins = [examples[i] for i in keep], [origins[i] for i in keep]
+            if examples:
+                yield fmt, examples, origins
+
+
+def _items(fmt: str, examples: list[dict[str, Any]]) -> list[str]:
+    return [e["text"] for e in examples] if fmt == "text" else [
+        json.dumps({"format": fmt, **e}, sort_keys=True) for e in examples]
+
+
+def scan_records(data: DataConfig, cache_dir: str) -> Scanned | None:
+    """Check every record and digest them (as formats.Corpus.digest does) a slice at a time; None for the
+    synthetic corpus (no data.path)."""
+    if data.path is None:
+        return None
+    h, n, fmt = hashlib.sha256(), 0, "text"
+    for fmt, examples, _ in _slices(data, cache_dir):
+        for item in _items(fmt, examples):
+            raw = item.encode("utf-8")
+            h.update(len(raw).to_bytes(8, "little"))
+            h.update(raw)
+        n += len(examples)
+    if n == 0:
+        raise blank_data(Path(data.path))
+    return Scanned(h.hexdigest(), fmt, n)
+
+
+_TOKENIZER: Any = None
+_DATA: Any = None
+
+
+def _arr(values: Any, dtype: Any = np.int32) -> bytes:
+    return np.asarray(values, dtype=dtype).tobytes()
+
+
+def _encode_slice(job: tuple[int, str, list[dict[str, Any]], list[tuple[str, int]]]) -> dict[str, Any]:
+    """One slice encoded as prepare_data encodes the whole: flat ids/labels and lengths per side, kept indices
+    (global), counts."""
+    from memfit.data.formats import Corpus
+    from memfit.data.masking import encode_counted, fit_overlong
+
+    start, fmt, examples, origins = job
+    corpus, data = Corpus([], fmt, examples, origins), _DATA
+    if fmt == "preference":
+        from memfit.data.pairs import encode_sides
+
+        chosen, rejected, index, counts = encode_sides(corpus, _TOKENIZER, data)
+        sides, no_answer = {"": chosen, "rejected_": rejected}, 0
+    else:
+        encoded, no_answer = encode_counted(corpus, _TOKENIZER, data)
+        counts = {"truncated": 0, "dropped": 0}
+        index = list(range(len(encoded)))
+        if data.packing != "blocks":
+            field = {"messages": data.messages_field, "prompt_completion": data.completion_field}.get(
+                fmt, data.text_field)
+            encoded, index, counts = fit_overlong(encoded, origins, data.seq_len, data.overlong, field)
+        sides = {"": encoded}
+    out: dict[str, Any] = {"index": _arr([start + i for i in index], np.int64), "counts": counts,
+                           "no_answer": no_answer, "examples": len(examples)}
+    for side, encoded in sides.items():
+        out[side + "ids"] = _arr([t for ids, _ in encoded for t in ids])
+        out[side + "labels"] = _arr([t for _, labels in encoded for t in labels])
+        out[side + "lengths"] = _arr([len(ids) for ids, _ in encoded])
+    return out
+
+
+def _encode_all(jobs: Iterator[Any], num_proc: int, sink: Any) -> None:
+    """Every slice through _encode_slice, in order, each result handed to `sink`; num_proc forked workers with a
+    bounded queue (the parent's memory stays flat), or this process alone."""
+    if num_proc <= 1:
+        for job in jobs:
+            sink(_encode_slice(job))
+        return
+    from memfit.data.arrow_text import _quiet_signals
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    pool = multiprocessing.get_context("fork").Pool(num_proc, initializer=_quiet_signals)
+    try:
+        pending: deque[Any] = deque()
+        for job in jobs:
+            pending.append(pool.apply_async(_encode_slice, (job,)))
+            if len(pending) >= 4 * num_proc:
+                sink(pending.popleft().get())
+        while pending:
+            sink(pending.popleft().get())
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+
+
+class _Sink:
+    """The encoded slices appended to flat files per side, their lengths and kept indices kept as arrays."""
+
+    def __init__(self, folder: Path, sides: list[str]) -> None:
+        self.flats = {side: Flat(folder, side) for side in sides}
+        self.index: list[np.ndarray] = []
+        self.counts = {"truncated": 0, "dropped": 0}
+        self.no_answer = self.examples = 0
+
+    def __call__(self, result: dict[str, Any]) -> None:
+        for side, flat in self.flats.items():
+            flat.append(result[side + "ids"], result[side + "labels"], result[side + "lengths"])
+        self.index.append(np.frombuffer(result["index"], dtype=np.int64))
+        for k in self.counts:
+            self.counts[k] += result["counts"][k]
+        self.no_answer += result["no_answer"]
+        self.examples += result["examples"]
+
+    def kept(self) -> np.ndarray:
+        return np.concatenate(self.index) if self.index else np.zeros(0, dtype=np.int64)
+
+
+def _jobs(slices: Iterator[Slice], first: list[str]) -> Iterator[tuple[int, str, list[dict[str, Any]], Any]]:
+    start = 0
+    for fmt, examples, origins in slices:
+        if not first:
+            first.append(fmt)
+        yield start, fmt, examples, origins
+        start += len(examples)
+
+
+def prepare_examples(cfg: MemfitConfig, tokenizer: Any, out_dir: Path, num_proc: int, cache_dir: str,
+                     digest: str) -> bool:
+    """The packed rows of data.path (.npy files and meta.json in `out_dir`), as prepare_data packs them; False for
+    the synthetic corpus (prepared in memory: it is small)."""
+    global _TOKENIZER, _DATA
+    from memfit.data.masking import eos_id, warn_no_answer
+    from memfit.data.packed_files import pack_plan
+    from memfit.data.pairs import check_kept
+
+    data = cfg.data
+    if data.path is None:
+        return False
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    pad_id = int(pad_id) if pad_id is not None else eos_id(tokenizer)
+    fmt_seen: list[str] = []
+    tables: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="memfit-encoded-", dir=out_dir) as tmp:
+        sides = ["", "rejected_"] if cfg.train.objective == "dpo" else [""]
+        sink = _Sink(Path(tmp), sides)
+        _TOKENIZER, _DATA = tokenizer, data
+        try:
+            slices = _checked(_slices(data, cache_dir, quiet=True, tables=tables), cfg)
+            _encode_all(_jobs(slices, fmt_seen), num_proc, sink)
+        finally:
+            _TOKENIZER = _DATA = None
+        if not fmt_seen:
+            raise blank_data(Path(data.path))
+        fmt = fmt_seen[0]
+        warn_no_answer(sink.no_answer)
+        if fmt == "preference":
+            check_kept(len(sink.kept()), sink.counts, data)
+        try:
+            plan = pack_plan(fmt, data, sink, pad_id)
+            written = write_rows(plan, out_dir, data.val_fraction, data.seed)
+        finally:
+            for flat in sink.flats.values():
+                flat.release()
+        stats = plan.stats
+        stats["trained_tokens_share"] = round(written.trained_share, 4)
+        heldout = _heldout(fmt, plan, written.val_order, data, tables)
+        from memfit.files import write_json_atomic
+
+        write_json_atomic(out_dir / "meta.json", {"digest": digest, "source": data.path, "packing": data.packing,
+                                                  "heldout": heldout, "stats": stats})
+    log.info("data: %d %s example(s), packing %s into %d training + %d validation rows of %d tokens; trained "
+             "tokens (train_on %s): %.1f%% of the training rows' tokens (out of core, %d process(es))",
+             stats["examples"], fmt, data.packing, written.n_train, written.n_val, data.seq_len, data.train_on,
+             100 * written.trained_share, num_proc)
+    return True
+
+
+def _checked(slices: Iterator[Slice], cfg: MemfitConfig) -> Iterator[Slice]:
+    """The objective and the records agree (as prepare_data checks), told at the first slice."""
+    for i, (fmt, examples, origins) in enumerate(slices):
+        if i == 0 and (cfg.train.objective == "dpo") != (fmt == "preference"):
+            raise DataError(f"train.objective: {cfg.train.objective}, and {cfg.data.path} holds {fmt} records; "
+                            "dpo trains on preference pairs (records with chosen and rejected fields, or "
+                            "data.format: preference without data.path for synthetic ones), sft on the others")
+        yield fmt, examples, origins
+
+
+def _heldout(fmt: str, plan: Any, val_order: np.ndarray, data: DataConfig, tables: list[Any]
+             ) -> list[dict[str, Any]]:
+    """Held-out examples as prepare._heldout picks them (the validation rows' examples, in row order), read back
+    by their index from the Arrow tables: records are never all held."""
+    from memfit.data.formats import normalise
+
+    n = data.heldout_prompts
+    if fmt == "text" or n == 0 or plan.members is None:
+        return []
+    wanted: list[int] = []
+    for row in val_order.tolist():
+        for i in plan.members(row):
+            wanted.append(int(plan.kept[i]))
+            if len(wanted) == n:
+                break
+        if len(wanted) == n:
+            break
+    out = []
+    for g in wanted:  # records are not dropped outside text, so a global index is a table and a row
+        for where, ds in tables:
+            if g < ds.num_rows:
+                row = ds.select([g]).to_list()
+                e = normalise(row, fmt, data, where)[0]
+                break
+            g -= ds.num_rows
+        if "chosen" in e:  # a pair is held out as its prompt and the chosen answer
+            e = ({"prompt": e["prompt"], "completion": e["chosen"]} if isinstance(e["prompt"], str)
+                 else {"messages": [*e["prompt"], *e["chosen"]]})
+        out.append(e)
+    return out

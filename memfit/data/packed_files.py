@@ -1,0 +1,184 @@
+"""Encoded examples in flat files, and the packed rows gathered from them into .npy files a chunk at a time."""
+
+# The layouts are packing.py's (pack_blocks, pack_padding_free, pack_padded, split_rows), computed from files
+# instead of lists: the same bins, the same seeded split, the same bytes. Reads are plain preads, never a memory
+# map, so the pages read do not stay counted in this process's memory.
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memfit.config import DataConfig
+from memfit.data.masking import IGNORE
+from memfit.errors import DataError
+
+CHUNK = 1024  # rows gathered at once
+
+
+class Flat:
+    """One side's token ids and labels (int32, back to back) and each example's length."""
+
+    def __init__(self, folder: Path, side: str) -> None:
+        self.paths = (folder / f"{side}ids.int32", folder / f"{side}labels.int32")
+        self.files = [p.open("wb") for p in self.paths]
+        self._lengths: list[np.ndarray] = []
+        self.fds: tuple[int, int] | None = None
+
+    def append(self, ids: bytes, labels: bytes, lengths: bytes) -> None:
+        self.files[0].write(ids)
+        self.files[1].write(labels)
+        self._lengths.append(np.frombuffer(lengths, dtype=np.int32))
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+        self.lengths = (np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)).astype(np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        self.readers = [p.open("rb") for p in self.paths]
+        self.fds = (self.readers[0].fileno(), self.readers[1].fileno())
+
+    def release(self) -> None:
+        for f in getattr(self, "readers", []):
+            f.close()
+
+    def span(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """n tokens from token `start`: (ids, labels)."""
+        assert self.fds is not None
+        return tuple(np.frombuffer(os.pread(fd, 4 * n, 4 * start), dtype=np.int32) for fd in self.fds)  # type: ignore
+
+    def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.span(int(self.offsets[i]), int(self.lengths[i]))
+
+
+@dataclass
+class Plan:
+    """The rows to write: how many, which fields, and how to fill a chunk of them."""
+
+    n_rows: int
+    seq_len: int
+    fields: list[str]  # "input_ids" first
+    fill: Callable[[list[int], dict[str, np.ndarray]], None]
+    stats: dict[str, Any]
+    kept: np.ndarray  # kept example -> global example index
+    members: Callable[[int], list[int]] | None = None  # a row's kept examples, for held-out prompts
+
+
+def pack_plan(fmt: str, data: DataConfig, sink: Any, pad_id: int) -> Plan:
+    """packing.py's layouts over the encoded files: blocks, padding-free bins, one (padded) example or pair a row."""
+    from memfit.data.packing import _bins
+
+    for flat in sink.flats.values():
+        flat.close()
+    main, seq_len, kept = sink.flats[""], data.seq_len, sink.kept()
+    if fmt == "preference":
+        stats = {**sink.counts, "format": "preference", "examples": len(kept), "pad_id": pad_id}
+        rej = sink.flats["rejected_"]
+        names = ["input_ids", "labels", "attention_mask"]
+
+        def fill_pairs(rows: list[int], out: dict[str, np.ndarray]) -> None:
+            for side, flat in (("", main), ("rejected_", rej)):
+                _padded(flat, rows, [out[side + n] for n in names], pad_id)
+
+        return Plan(len(kept), seq_len, names + ["rejected_" + n for n in names], fill_pairs, stats, kept,
+                    lambda r: [r])
+    if data.packing == "blocks":
+        plain = fmt == "text" and data.train_on == "all"
+        total = int(main.offsets[-1])
+        n = total // seq_len
+        if n < 2:
+            raise DataError(f"data.seq_len: only {total} tokens, fewer than 2 blocks of {seq_len} "
+                            "(one for training, one for validation): lower data.seq_len or add data")
+
+        def fill_blocks(rows: list[int], out: dict[str, np.ndarray]) -> None:
+            for k, r in enumerate(rows):
+                ids, labels = main.span(r * seq_len, seq_len)
+                out["input_ids"][k] = ids
+                if not plain:
+                    out["labels"][k] = labels
+
+        stats = {"format": fmt, "examples": sink.examples} if plain else {
+            "format": fmt, "examples": sink.examples, "pad_id": pad_id}
+        return Plan(n, seq_len, ["input_ids"] if plain else ["input_ids", "labels"], fill_blocks, stats, kept)
+    stats = {"format": fmt, "examples": sink.examples, **sink.counts, "pad_id": pad_id}
+    if data.packing == "none":
+        names = ["input_ids", "labels", "attention_mask"]
+        return Plan(len(kept), seq_len, names,
+                    lambda rows, out: _padded(main, rows, [out[n] for n in names], pad_id), stats, kept, lambda r: [r])
+    bins = _bins(main.lengths.tolist(), seq_len)
+
+    def fill_free(rows: list[int], out: dict[str, np.ndarray]) -> None:
+        ids_out, labels_out, pos_out = out["input_ids"], out["labels"], out["position_ids"]
+        for k, r in enumerate(rows):
+            at = 0
+            for i in bins[r]:
+                ids, labels = main.example(i)
+                n_tok = len(ids)
+                ids_out[k, at:at + n_tok] = ids
+                labels_out[k, at:at + n_tok] = labels
+                labels_out[k, at] = IGNORE
+                pos_out[k, at:at + n_tok] = np.arange(n_tok)
+                at += n_tok
+            ids_out[k, at:] = pad_id
+            labels_out[k, at:] = IGNORE
+            pos_out[k, at:] = np.arange(seq_len - at)
+
+    return Plan(len(bins), seq_len, ["input_ids", "labels", "position_ids"], fill_free, stats, kept,
+                lambda r: bins[r])
+
+
+def _padded(flat: Flat, rows: list[int], out: list[np.ndarray], pad_id: int) -> None:
+    ids_out, labels_out, mask_out = out
+    for k, r in enumerate(rows):
+        ids, labels = flat.example(r)
+        n = len(ids)
+        ids_out[k, :n], labels_out[k, :n], mask_out[k, :n] = ids, labels, 1
+        ids_out[k, n:], labels_out[k, n:], mask_out[k, n:] = pad_id, IGNORE, 0
+
+
+@dataclass
+class Written:
+    n_train: int
+    n_val: int
+    trained_share: float
+    val_order: np.ndarray = field(repr=False)
+
+
+def write_rows(plan: Plan, out_dir: Path, val_fraction: float, seed: int) -> Written:
+    """The rows split as packing.split_rows splits them (seeded permutation; validation first), each split's
+    fields written as int64 .npy files (train.npy, train.labels.npy, ...) a chunk at a time."""
+    import torch
+
+    n = plan.n_rows
+    if n < 2:
+        raise DataError(f"data.seq_len: only {n} block(s); need 2 or more: lower data.seq_len or add data")
+    n_val = min(max(1, round(n * val_fraction)), n - 1)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
+    seq_len = plan.seq_len
+    trained = 0
+    for split, rows in (("train", order[n_val:]), ("val", order[:n_val])):
+        names = {f: out_dir / (f"{split}.npy" if f == "input_ids" else f"{split}.{f}.npy") for f in plan.fields}
+        files = {f: p.open("wb") for f, p in names.items()}
+        try:
+            for f in files.values():
+                np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False,
+                                                         "shape": (len(rows), seq_len)})
+            for start in range(0, len(rows), CHUNK):
+                chunk = rows[start:start + CHUNK].tolist()
+                out = {f: np.zeros((len(chunk), seq_len), dtype=np.int64) for f in plan.fields}
+                plan.fill(chunk, out)
+                if split == "train":
+                    trained += (int((out["labels"][:, 1:] != IGNORE).sum()) if "labels" in out
+                                else len(chunk) * (seq_len - 1))
+                for f, arr in out.items():
+                    files[f].write(arr.tobytes())
+        finally:
+            for f in files.values():
+                f.close()
+    share = trained / max(1, (n - n_val) * seq_len)
+    return Written(n - n_val, n_val, share, order[:n_val])
