@@ -132,12 +132,67 @@ def _encode_slice(job: tuple[int, str, list[dict[str, Any]], list[tuple[str, int
     return out
 
 
-def _encode_all(jobs: Iterator[Any], num_proc: int, sink: Any) -> None:
-    """Every slice through _encode_slice, in order, each result handed to `sink`; num_proc forked workers with a
-    bounded queue (the parent's memory stays flat), or this process alone."""
+def _lengths_slice(job: tuple[int, str, list[dict[str, Any]], list[tuple[str, int]]]) -> tuple[bytes, bytes]:
+    """One slice's example lengths and trained tokens as packed rows would hold them (data.packing auto)."""
+    from memfit.data.formats import Corpus
+    from memfit.data.layout import example_lengths
+    from memfit.data.masking import encode_counted
+
+    _, fmt, examples, origins = job
+    encoded, _ = encode_counted(Corpus([], fmt, examples, origins), _TOKENIZER, _DATA)
+    lengths, trained = example_lengths(encoded, origins, _DATA)
+    return _arr(lengths), _arr(trained)
+
+
+def example_lengths(data: DataConfig, tokenizer: Any, num_proc: int, cache_dir: str
+                    ) -> tuple[list[int], list[int], str] | None:
+    """(tokens, trained tokens, format) of every example of data.path, encoded a slice at a time by num_proc
+    workers, for data.packing auto; None for the synthetic corpus."""
+    global _TOKENIZER, _DATA
+    if data.path is None:
+        return None
+    lengths: list[int] = []
+    trained: list[int] = []
+    fmt_seen: list[str] = []
+
+    def sink(result: tuple[bytes, bytes]) -> None:
+        lengths.extend(np.frombuffer(result[0], dtype=np.int32).tolist())
+        trained.extend(np.frombuffer(result[1], dtype=np.int32).tolist())
+
+    _TOKENIZER, _DATA = tokenizer, data
+    try:
+        _encode_all(_jobs(_slices(data, cache_dir, quiet=True), fmt_seen), num_proc, sink, _lengths_slice)
+    finally:
+        _TOKENIZER = _DATA = None
+    if not fmt_seen:
+        raise blank_data(Path(data.path))
+    return lengths, trained, fmt_seen[0]
+
+
+def longest_pair(data: DataConfig, tokenizer: Any, cache_dir: str) -> int | None:
+    """The tokens of the longest side of any pair of data.path as rows hold it, read a slice at a time in this
+    process; None for the synthetic pairs."""
+    from memfit.data.formats import Corpus
+    from memfit.data.pairs import check_kept, encode_sides
+
+    if data.path is None:
+        return None
+    longest = kept = 0
+    for fmt, examples, origins in _slices(data, cache_dir, quiet=True):
+        chosen, rejected, index, _ = encode_sides(Corpus([], fmt, examples, origins), tokenizer, data)
+        longest = max([longest, *(len(ids) for ids, _ in chosen + rejected)])
+        kept += len(index)
+    check_kept(kept, {"truncated": 0, "dropped": 0}, data)  # no pair left: the estimate says why in one line
+    return longest
+
+
+def _encode_all(jobs: Iterator[Any], num_proc: int, sink: Any, work: Any = None) -> None:
+    """Every slice through `work` (_encode_slice), in order, each result handed to `sink`; num_proc forked workers
+    with a bounded queue (the parent's memory stays flat), or this process alone."""
+    work = work or _encode_slice
     if num_proc <= 1:
         for job in jobs:
-            sink(_encode_slice(job))
+            sink(work(job))
         return
     from memfit.data.arrow_text import _quiet_signals
 
@@ -146,7 +201,7 @@ def _encode_all(jobs: Iterator[Any], num_proc: int, sink: Any) -> None:
     try:
         pending: deque[Any] = deque()
         for job in jobs:
-            pending.append(pool.apply_async(_encode_slice, (job,)))
+            pending.append(pool.apply_async(work, (job,)))
             if len(pending) >= 4 * num_proc:
                 sink(pending.popleft().get())
         while pending:

@@ -174,7 +174,8 @@ def resolve_auto_packing(cfg: MemfitConfig, texts: Any, digest: str, tokenizer: 
     """data.packing auto: (the layout predicted fastest per trained token on memory.device, else the device this
     run is on; every candidate's prediction as rows). Kept beside the data cache, keyed on what the prediction
     reads, so every phase and rank of a run picks the same layout without encoding the data again."""
-    from memfit.data.layout import resolve_packing
+    from memfit.data.arrow_examples import example_lengths
+    from memfit.data.layout import choose_packing, resolve_packing
     from memfit.errors import ConfigError
 
     if model_config is None:
@@ -194,8 +195,12 @@ def resolve_auto_packing(cfg: MemfitConfig, texts: Any, digest: str, tokenizer: 
         return saved["packing"], saved["candidates"]
     except (OSError, ValueError, KeyError):
         pass
-    corpus = _corpus(cfg, texts)
-    packing, costs = resolve_packing(cfg, corpus, tokenizer, model_config, profile, attn)
+    read = (example_lengths(cfg.data, tokenizer, num_proc(cfg.data), texts.arrow_dir)
+            if isinstance(texts, DataSource) else None)
+    if read is not None:  # data.path's records encoded a slice at a time, never all held
+        packing, costs = choose_packing(cfg, *read, model_config, profile, attn)
+    else:
+        packing, costs = resolve_packing(cfg, _corpus(cfg, texts), tokenizer, model_config, profile, attn)
     rows = [c.row() for c in costs]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, {"packing": packing, "device": profile.name, "candidates": rows})

@@ -112,18 +112,30 @@ def resolve_packing(cfg: Any, corpus: Any, tokenizer: Any, hf_config: Any, profi
     """data.packing auto made concrete: (the layout with the least predicted time per trained token, every
     candidate's prediction). blocks is a candidate only for plain text trained on every token: elsewhere it would
     let examples attend to each other and change what is learnt."""
-    from memfit.data.masking import encode_examples, fit_overlong
+    from memfit.data.masking import encode_examples
 
-    data = cfg.data
-    encoded = encode_examples(corpus, tokenizer, data)
-    kept, _, _ = fit_overlong(encoded, corpus.origins, data.seq_len,
+    encoded = encode_examples(corpus, tokenizer, cfg.data)
+    lengths, trained = example_lengths(encoded, corpus.origins, cfg.data)
+    return choose_packing(cfg, lengths, trained, corpus.format, hf_config, profile, attn_implementation)
+
+
+def example_lengths(encoded: list[Any], origins: list[tuple[str, int]], data: Any) -> tuple[list[int], list[int]]:
+    """(tokens, trained tokens) of each example as packed rows would hold it (overlong ones cut or dropped)."""
+    from memfit.data.masking import fit_overlong
+
+    kept, _, _ = fit_overlong(encoded, origins, data.seq_len,
                               "truncate" if data.overlong == "error" else data.overlong, "auto")
-    lengths = [len(ids) for ids, _ in kept]
-    trained = [sum(1 for t in labels[1:] if t != -100) for _, labels in kept]
+    return [len(ids) for ids, _ in kept], [sum(1 for t in labels[1:] if t != -100) for _, labels in kept]
+
+
+def choose_packing(cfg: Any, lengths: list[int], trained: list[int], fmt: str, hf_config: Any,
+                   profile: DeviceProfile, attn_implementation: str) -> tuple[str, list[LayoutCost]]:
+    """resolve_packing from the examples' lengths and trained tokens (however they were read)."""
+    data = cfg.data
     dtype = {"bf16-mixed": "bfloat16", "bf16-true": "bfloat16", "fp16-mixed": "float16"}.get(
         cfg.train.precision, "float32")
     costs = predict(lengths, trained, data.seq_len, cfg.train.micro_batch_size, hf_config, profile,
-                    attn_implementation, allow_blocks=corpus.format == "text" and data.train_on == "all",
+                    attn_implementation, allow_blocks=fmt == "text" and data.train_on == "all",
                     flatten=flattened(data, True, attn_implementation), group_by_length=data.group_by_length,
                     seed=cfg.train.seed, dtype=dtype)
     log.info("data.packing auto: %s on %s (%s)", costs[0].packing, profile.name, ", ".join(

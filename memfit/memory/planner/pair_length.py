@@ -32,11 +32,18 @@ def _longest(cfg: Any) -> int | None:
     from memfit.models.loading import load_model_and_tokenizer, load_tokenizer
 
     try:
-        corpus = load_texts(cfg.data)
         if cfg.model.name_or_path:
+            from memfit.data.arrow_examples import longest_pair
+            from memfit.data.source import DataSource
+
             tokenizer = use_configured_template(load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code),
                                                 cfg.data)
-        else:  # a preset: built on first use (small), as a run builds it
+            # data.path's pairs a slice at a time (a large preference set is never all held)
+            longest = longest_pair(cfg.data, tokenizer, DataSource(cfg.data, cfg.run.work_dir).arrow_dir)
+            if longest is not None:
+                return longest
+        corpus = load_texts(cfg.data)
+        if not cfg.model.name_or_path:  # a preset: built on first use (small), as a run builds it
             _, tokenizer, _ = load_model_and_tokenizer(cfg, corpus, data_digest(corpus))
         rows, _, _ = encode_pairs(corpus, tokenizer, cfg.data, 0)  # the pad id changes no length
     except (MemfitError, OSError, ValueError) as err:

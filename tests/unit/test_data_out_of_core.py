@@ -1,0 +1,134 @@
+"""Records of every format prepared out of core: bad records named from a worker, nothing read whole, one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+from chat_support import TEMPLATE_SPECIALS, bpe_tokenizer, conversation_texts
+
+from memfit import config
+from memfit.data import arrow_examples, formats, source
+from memfit.data.cache import cached_data
+from memfit.data.source import DataSource
+from memfit.data.synthetic import synthetic_conversations, synthetic_preference_pairs, write_jsonl
+from memfit.data.templates import BUILTIN_TEMPLATES
+from memfit.errors import DataError
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def tok():
+    t = bpe_tokenizer(conversation_texts(100), TEMPLATE_SPECIALS["chatml"])
+    t.chat_template = BUILTIN_TEMPLATES["chatml"]
+    return t
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    """Slices of 16 records, so a few hundred records make many worker jobs."""
+    monkeypatch.setattr(arrow_examples, "SLICE", 16)
+
+
+@pytest.fixture
+def never_whole(monkeypatch):
+    """The in-memory readers fail if anything calls them: the run must not hold the records."""
+    def refuse(*_a, **_k):
+        raise AssertionError("the records were read into memory whole")
+
+    monkeypatch.setattr(formats, "load_texts", refuse)
+    monkeypatch.setattr(source.DataSource, "corpus", refuse)
+
+
+def _prepare(tmp_path, tok, path, *sets, objective="sft"):
+    cfg = config.load(None, [f"data.path={path}", f"run.work_dir={tmp_path / 'work'}", "data.seq_len=256",
+                             "data.num_proc=2", f"train.objective={objective}", *sets])
+    return cached_data(cfg, DataSource(cfg.data, cfg.run.work_dir), None, tok)
+
+
+def _conversations(n):
+    return [{"messages": m} for m in synthetic_conversations(n, 5)]
+
+
+def test_a_bad_record_found_by_a_worker_is_named_by_file_and_line(tmp_path, tok, small_slices, never_whole):
+    rows = _conversations(200)
+    rows[57]["messages"][0]["role"] = "tool"  # the template knows no such role: found when encoding, in a worker
+    long_answer = {"role": "assistant", "content": " ".join(["one two three"] * 200)}
+    rows[150]["messages"] = [rows[150]["messages"][0], long_answer]
+    path = write_jsonl(rows, tmp_path / "chat.jsonl")
+    # Slices are encoded in parallel, but their errors are taken in record order: line 58 before line 151.
+    with pytest.raises(DataError, match=r"chat\.jsonl record 58: field 'messages'.*unknown role tool"):
+        _prepare(tmp_path, tok, path, "data.train_on=assistant", "data.packing=padding_free",
+                 "data.overlong=error")
+    rows[57] = _conversations(1)[0]
+    write_jsonl(rows, path)
+    with pytest.raises(DataError, match=r"data\.overlong: .*chat\.jsonl record 151: field 'messages' is \d+ tokens"):
+        _prepare(tmp_path, tok, path, "data.train_on=assistant", "data.packing=padding_free",
+                 "data.overlong=error")
+    assert not list((tmp_path / "work" / "data-cache").glob("[!.]*/meta.json"))  # nothing half-written was kept
+
+
+@pytest.mark.parametrize("packing", ["padding_free", "none", "blocks"])
+def test_many_slices_give_the_rows_of_one(tmp_path, tok, monkeypatch, packing, never_whole):
+    """Slices of 16 records and of the default size: the same rows, held-out prompts and counts."""
+    path = write_jsonl(_conversations(150), tmp_path / "chat.jsonl")
+    sets = ["data.train_on=assistant", f"data.packing={packing}", "data.heldout_prompts=4", "data.overlong=drop"]
+    whole = _prepare(tmp_path / "a", tok, path, *sets)
+    monkeypatch.setattr(arrow_examples, "SLICE", 16)
+    sliced = _prepare(tmp_path / "b", tok, path, *sets)
+    assert whole.train.equal(sliced.train) and whole.val.equal(sliced.val)
+    assert all(whole.train_fields[k].equal(sliced.train_fields[k]) for k in whole.train_fields)
+    assert whole.heldout == sliced.heldout and whole.stats == sliced.stats
+    assert (len(whole.heldout) == 4) == (packing != "blocks")  # blocks cut conversations: none is held out
+
+
+def test_preference_pairs_out_of_core(tmp_path, tok, small_slices, never_whole):
+    path = write_jsonl(synthetic_preference_pairs(120, 2), tmp_path / "pairs.jsonl")
+    bundle = _prepare(tmp_path, tok, path, "data.heldout_prompts=2", objective="dpo")
+    assert bundle.stats["examples"] == 120 and len(bundle.train) + len(bundle.val) == 120
+    assert {"rejected_input_ids", "rejected_labels", "attention_mask"} <= set(bundle.train_fields)
+    assert len(bundle.heldout) == 2 and set(bundle.heldout[0]) == {"prompt", "completion"}
+
+
+def test_records_and_objective_disagree_in_one_line(tmp_path, tok, never_whole):
+    path = write_jsonl(_conversations(20), tmp_path / "chat.jsonl")
+    with pytest.raises(DataError, match=r"train\.objective: dpo, and .*chat\.jsonl holds messages records"):
+        _prepare(tmp_path, tok, path, objective="dpo")
+
+
+def test_a_folder_mixing_formats_is_refused_in_one_line(tmp_path, tok, never_whole):
+    write_jsonl(_conversations(20), tmp_path / "data" / "a.jsonl")
+    write_jsonl([{"text": "plain words here"}] * 20, tmp_path / "data" / "b.jsonl")
+    with pytest.raises(DataError, match=r"mixes formats \(messages, text\)"):
+        _prepare(tmp_path, tok, tmp_path / "data", "data.packing=padding_free")
+
+
+def test_packing_auto_reads_the_lengths_out_of_core_and_chooses_as_in_memory(tmp_path, tok, small_slices, monkeypatch):
+    from transformers import LlamaConfig
+
+    from memfit.data.cache import resolve_auto_packing
+    from memfit.data.formats import load_texts
+
+    path = write_jsonl(_conversations(120), tmp_path / "chat.jsonl")
+    cfg = config.load(None, [f"data.path={path}", f"run.work_dir={tmp_path / 'work'}", "data.seq_len=256",
+                             "data.num_proc=2", "data.train_on=assistant", "data.packing=auto"])
+    model = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        vocab_size=512)
+    corpus = load_texts(cfg.data)  # the in-memory reading, the oracle
+    in_memory = resolve_auto_packing(cfg, corpus, "d1", tok, model)
+    monkeypatch.setattr(source.DataSource, "corpus", lambda *_: (_ for _ in ()).throw(AssertionError("whole")))
+    out_of_core = resolve_auto_packing(cfg, DataSource(cfg.data, cfg.run.work_dir), "d2", tok, model)
+    assert out_of_core == in_memory and len(in_memory[1]) >= 2
+
+
+def test_dpo_estimate_reads_the_longest_pair_a_slice_at_a_time(tmp_path, tok, small_slices):
+    from memfit.data.formats import load_texts
+    from memfit.data.pairs import encode_pairs
+
+    path = write_jsonl(synthetic_preference_pairs(90, 6), tmp_path / "pairs.jsonl")
+    cfg = config.load(None, [f"data.path={path}", "data.seq_len=256", "train.objective=dpo"])
+    rows, _, _ = encode_pairs(load_texts(cfg.data), tok, cfg.data, 0)
+    whole = max(int(rows[k].sum(-1).max()) for k in ("attention_mask", "rejected_attention_mask"))
+    assert arrow_examples.longest_pair(cfg.data, tok, str(tmp_path / "arrow")) == whole
+    short = cfg.data.model_copy(update={"seq_len": 4, "overlong": "drop"})
+    with pytest.raises(DataError, match=r"data\.seq_len: .*pairs\.jsonl record 1: field 'prompt'"):
+        arrow_examples.longest_pair(short, tok, str(tmp_path / "arrow"))
