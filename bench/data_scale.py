@@ -1,6 +1,7 @@
 """Data preparation as the corpus grows: memfit against the plain datasets path, time and peak RSS, side by side.
 
     PYTHONPATH=. python bench/data_scale.py [--sizes 100000 400000 1600000 --num-proc 2 --out docs]
+    PYTHONPATH=. python bench/data_scale.py --format messages --sizes 25000 100000   # conversations
 
 Each size: a generated JSONL of one `text` field (about 580 bytes, 330 tokens a record, as issue 40's corpus), a
 byte-level BPE tokenizer trained here once (no hub). Both paths run in a fresh process each, under a sampler that
@@ -36,16 +37,30 @@ def _words() -> list[str]:
     return ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(20000)]
 
 
-def generate(path: Path, n: int, seed: int = 0) -> None:
-    """n records of about 580 bytes of word-like text (Zipf-ish word choice, so BPE merges are realistic)."""
+def generate(path: Path, n: int, seed: int = 0, fmt: str = "text") -> None:
+    """n records of about 580 bytes of word-like text (Zipf-ish word choice, so BPE merges are realistic); for
+    messages, the same words as a conversation: a system line, then two user / assistant exchanges."""
     from itertools import accumulate
 
     words = _words()
     cum = list(accumulate(1.0 / (i + 1) for i in range(len(words))))
     rng = random.Random(seed)
+
+    def say(k: int) -> str:
+        return " ".join(rng.choices(words, cum_weights=cum, k=k)) + "."
+
     with path.open("w") as f:
         for _ in range(n):
-            f.write(json.dumps({"text": " ".join(rng.choices(words, cum_weights=cum, k=90)) + "."}) + "\n")
+            if fmt == "text":
+                record = {"text": say(90)}
+            else:
+                turns = [("system", 8), ("user", 16), ("assistant", 30), ("user", 12), ("assistant", 24)]
+                record = {"messages": [{"role": role, "content": say(k)} for role, k in turns]}
+            f.write(json.dumps(record) + "\n")
+
+
+def _record_text(record: dict) -> str:
+    return record.get("text") or " ".join(t["content"] for t in record["messages"])
 
 
 def tokenizer_dir(out: Path, corpus: Path) -> Path:
@@ -58,15 +73,21 @@ def tokenizer_dir(out: Path, corpus: Path) -> Path:
     texts = []
     with corpus.open() as f:
         for line, _ in zip(f, range(20000), strict=False):
-            texts.append(json.loads(line)["text"])
+            texts.append(_record_text(json.loads(line)))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|endoftext|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
-                            pad_token="<|endoftext|>").save_pretrained(str(out))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    # ChatML with generation markers: both paths can mark the assistant turns (memfit's built-in chatml)
+    from memfit.data.templates import BUILTIN_TEMPLATES
+
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    fast.chat_template = BUILTIN_TEMPLATES["chatml"]
+    fast.save_pretrained(str(out))
     return out
 
 
@@ -76,10 +97,11 @@ from transformers import AutoTokenizer
 from memfit import config
 from memfit.data.cache import cached_data
 from memfit.data.source import DataSource
-corpus, tok_dir, work, num_proc = sys.argv[1:5]
+corpus, tok_dir, work, num_proc, fmt = sys.argv[1:6]
 tok = AutoTokenizer.from_pretrained(tok_dir)
+chat = ["data.train_on=assistant", "data.packing=padding_free"] if fmt == "messages" else []
 cfg = config.load(None, [f"data.path={corpus}", f"run.work_dir={work}", "data.seq_len=512",
-                         f"data.num_proc={num_proc}"])
+                         f"data.num_proc={num_proc}", *chat])
 t0 = time.perf_counter()
 source = DataSource(cfg.data, cfg.run.work_dir)
 bundle = cached_data(cfg, source, None, tok)
@@ -92,12 +114,18 @@ from itertools import chain
 import datasets
 from transformers import AutoTokenizer
 datasets.utils.disable_progress_bars()
-corpus, tok_dir, work, num_proc = sys.argv[1:5]
+corpus, tok_dir, work, num_proc, fmt = sys.argv[1:6]
 num_proc = int(num_proc)
 tok = AutoTokenizer.from_pretrained(tok_dir)
 t0 = time.perf_counter()
 ds = datasets.load_dataset("json", data_files=corpus, split="train", cache_dir=work)
-ds = ds.map(lambda b: tok(b["text"]), batched=True, num_proc=num_proc, remove_columns=["text"])
+if fmt == "messages":  # TRL's assistant_only_loss: the template's generation markers give the mask
+    ds = ds.map(lambda b: tok.apply_chat_template(b["messages"], tokenize=True, return_dict=True,
+                                                  return_assistant_tokens_mask=True), batched=True,
+                num_proc=num_proc, remove_columns=["messages"])
+    ds = ds.remove_columns([c for c in ds.column_names if c not in ("input_ids", "assistant_masks")])
+else:
+    ds = ds.map(lambda b: tok(b["text"]), batched=True, num_proc=num_proc, remove_columns=["text"])
 def group_texts(batch):
     joined = {k: list(chain(*batch[k])) for k in batch}
     n = len(joined["input_ids"]) // 512 * 512
@@ -166,6 +194,9 @@ def main() -> None:
     ap.add_argument("--num-proc", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "docs")
     ap.add_argument("--scratch", type=Path, default=None, help="where corpora and caches go (default: a temp dir)")
+    ap.add_argument("--format", choices=["text", "messages"], default="text",
+                    help="messages: conversations, memfit with train_on assistant + padding_free, the datasets path "
+                         "with apply_chat_template's assistant masks (TRL's assistant_only_loss)")
     ap.add_argument("--merge", action="store_true", help="keep <out>/data_scale.json's rows of other sizes (each "
                     "row says when and under what load it was measured)")
     args = ap.parse_args()
@@ -173,28 +204,29 @@ def main() -> None:
     scratch.mkdir(parents=True, exist_ok=True)
     results = []
     for n in args.sizes:
-        corpus = scratch / f"corpus-{n}.jsonl"
+        corpus = scratch / f"corpus-{args.format}-{n}.jsonl"
         if not corpus.is_file():
-            generate(corpus, n)
-        tok = tokenizer_dir(scratch / "tokenizer", corpus)
+            generate(corpus, n, fmt=args.format)
+        tok = tokenizer_dir(scratch / f"tokenizer-{args.format}", corpus)
         row = {"records": n, "mb": round(corpus.stat().st_size / 1e6, 1),
                "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": os.getloadavg()[0]}
         for name, script in (("memfit", MEMFIT), ("datasets", DATASETS)):
             with tempfile.TemporaryDirectory(dir=scratch) as work:
-                row[name] = measure(script, [str(corpus), str(tok), work, str(args.num_proc)])
+                row[name] = measure(script, [str(corpus), str(tok), work, str(args.num_proc), args.format])
         row["rss_ratio"] = round(row["memfit"]["peak_rss_gb"] / row["datasets"]["peak_rss_gb"], 2)
         row["time_ratio"] = round(row["memfit"]["wall_s"] / row["datasets"]["wall_s"], 2)
         row["load_after"] = os.getloadavg()[0]
         results.append(row)
         print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    previous = args.out / "data_scale.json"
+    stem = "data_scale" if args.format == "text" else f"data_scale_{args.format}"
+    previous = args.out / f"{stem}.json"
     kept: dict = json.loads(previous.read_text()) if args.merge and previous.is_file() else {}
     others = [r for r in kept.get("results", []) if r["records"] not in args.sizes]
     results = sorted(others + results, key=lambda r: r["records"])
-    kept.update({"num_proc": args.num_proc, "seq_len": SEQ_LEN, "results": results})
+    kept.update({"num_proc": args.num_proc, "seq_len": SEQ_LEN, "format": args.format, "results": results})
     previous.write_text(json.dumps(kept, indent=1) + "\n")
-    plot(results, args.out / "data_scale.png")
+    plot(results, args.out / f"{stem}.png")
     print("| records | MB | blocks | memfit RSS / PSS GB | datasets RSS / PSS GB | RSS ratio | memfit s | datasets s "
           "| time ratio |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
