@@ -11,10 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import multiprocessing
-import os
 import tempfile
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +22,7 @@ import numpy as np
 from memfit.config import DataConfig, MemfitConfig
 from memfit.data.files import blank_data
 from memfit.data.packed_files import Flat, write_rows
+from memfit.data.workers import in_order
 from memfit.errors import DataError
 
 log = logging.getLogger("memfit.data")
@@ -187,31 +185,8 @@ def longest_pair(data: DataConfig, tokenizer: Any, cache_dir: str) -> int | None
 
 
 def _encode_all(jobs: Iterator[Any], num_proc: int, sink: Any, work: Any = None) -> None:
-    """Every slice through `work` (_encode_slice), in order, each result handed to `sink`; num_proc forked workers
-    with a bounded queue (the parent's memory stays flat), or this process alone."""
-    work = work or _encode_slice
-    if num_proc <= 1:
-        for job in jobs:
-            sink(work(job))
-        return
-    from memfit.data.arrow_text import _quiet_signals
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    pool = multiprocessing.get_context("fork").Pool(num_proc, initializer=_quiet_signals)
-    try:
-        pending: deque[Any] = deque()
-        for job in jobs:
-            pending.append(pool.apply_async(work, (job,)))
-            if len(pending) >= 4 * num_proc:
-                sink(pending.popleft().get())
-        while pending:
-            sink(pending.popleft().get())
-        pool.close()
-    except BaseException:
-        pool.terminate()
-        raise
-    finally:
-        pool.join()
+    """Every slice through `work` (_encode_slice) in order, in num_proc forked workers (workers.in_order)."""
+    in_order(work or _encode_slice, jobs, num_proc, sink)
 
 
 class _Sink:

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import multiprocessing
 import os
-import signal
 import tempfile
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +19,7 @@ import numpy as np
 
 from memfit.config import DataConfig
 from memfit.data.files import blank_data
+from memfit.data.workers import in_order
 from memfit.errors import DataError
 
 log = logging.getLogger("memfit.data")
@@ -146,45 +144,14 @@ def _tokenise_to(path: Path, texts: Iterator[list[str]], tokenizer: Any, num_pro
 
     _TOKENIZER = tokenizer
     tokenizer.memfit_eos = eos_id(tokenizer)
-    total = 0
+    written = [0]
     with path.open("wb") as out:
-        if num_proc <= 1:
-            for batch in texts:
-                raw = _encode(batch)
-                out.write(raw)
-                total += len(raw) // 4
-            return total
-        # fork: the workers inherit the tokenizer; a bounded queue keeps the main process's memory flat.
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        pool = multiprocessing.get_context("fork").Pool(num_proc, initializer=_quiet_signals)
-        try:
-            pending: deque[Any] = deque()
-            for batch in texts:
-                pending.append(pool.apply_async(_encode, (batch,)))
-                if len(pending) >= 4 * num_proc:
-                    raw = pending.popleft().get()
-                    out.write(raw)
-                    total += len(raw) // 4
-            while pending:
-                raw = pending.popleft().get()
-                out.write(raw)
-                total += len(raw) // 4
-            pool.close()  # workers leave when the queue is done: no signal is sent on success
-        except BaseException:
-            pool.terminate()
-            raise
-        finally:
-            pool.join()
-    return total
+        def sink(raw: bytes) -> None:
+            out.write(raw)
+            written[0] += len(raw) // 4
 
-
-def _quiet_signals() -> None:
-    """A worker is the parent's helper: it dies on SIGTERM without running the handlers it inherited, and leaves
-    Ctrl-C to the parent. The inherited wakeup fd goes first: it is the parent's pipe, and a signal to a worker
-    written there reads, in the parent, as a stop of the run (runtime/termination.py)."""
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+        in_order(_encode, texts, num_proc, sink)  # forked workers inherit the tokenizer
+    return written[0]
 
 
 def _write_rows(dest: Path, tokens: Path, rows: np.ndarray, seq_len: int) -> None:

@@ -1,4 +1,4 @@
-"""Records of every format prepared out of core: bad records named from a worker, nothing read whole, one-line errors."""
+"""Records of every format prepared out of core: bad records named from a worker, nothing read whole."""
 
 from __future__ import annotations
 

@@ -164,14 +164,14 @@ def test_a_worker_dies_on_sigterm_and_writes_to_no_inherited_pipe():
     import os
     import signal
 
-    from memfit.data.arrow_text import _quiet_signals
+    from memfit.data.workers import quiet_signals
 
     r, w = os.pipe()
     os.set_blocking(w, False)
     old_handler = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
     try:
-        with multiprocessing.get_context("fork").Pool(1, initializer=_quiet_signals) as pool:
+        with multiprocessing.get_context("fork").Pool(1, initializer=quiet_signals) as pool:
             assert pool.apply(_worker_signals, (0,)) == (True, -1)
     finally:
         signal.set_wakeup_fd(old_fd)
