@@ -77,14 +77,13 @@ def _items(fmt: str, examples: list[dict[str, Any]]) -> list[str]:
 def scan_records(data: DataConfig, cache_dir: str) -> Scanned | None:
     """Check every record and digest them (as formats.Corpus.digest does) a slice at a time; None for the
     synthetic corpus (no data.path)."""
+    from memfit.data.formats import add_items
+
     if data.path is None:
         return None
     h, n, fmt = hashlib.sha256(), 0, "text"
     for fmt, examples, _ in _slices(data, cache_dir):
-        for item in _items(fmt, examples):
-            raw = item.encode("utf-8")
-            h.update(len(raw).to_bytes(8, "little"))
-            h.update(raw)
+        add_items(h, _items(fmt, examples))
         n += len(examples)
     if n == 0:
         raise blank_data(Path(data.path))

@@ -109,6 +109,8 @@ def _texts(sources: list[tuple[str, Any, str, str]]) -> Iterator[list[str]]:
 def scan_text(data: DataConfig, cache_dir: str | None = None) -> Scanned | None:
     """Check plain text records and digest them (as formats.data_digest does) without holding them; None when
     the source is not plain text records."""
+    from memfit.data.formats import add_items
+
     if data.path is None:
         return None
     with tempfile.TemporaryDirectory(prefix="memfit-datasets-") as tmp:
@@ -117,10 +119,7 @@ def scan_text(data: DataConfig, cache_dir: str | None = None) -> Scanned | None:
             return None
         h, n = hashlib.sha256(), 0
         for texts in _texts(sources):
-            for t in texts:
-                raw = t.encode("utf-8")
-                h.update(len(raw).to_bytes(8, "little"))
-                h.update(raw)
+            add_items(h, texts)
             n += len(texts)
     if n == 0:
         raise blank_data(Path(data.path))

@@ -39,14 +39,18 @@ class Corpus(list[str]):
     def digest(self) -> str:
         """sha256 of the examples and their format; the text format digests exactly as a plain list of texts."""
         h = hashlib.sha256()
-        items = list(self) if self.format == "text" else [
-            json.dumps({"format": self.format, **e}, sort_keys=True) for e in self.examples]
-        for t in items:
-            raw = t.encode("utf-8")
-            # Length-prefixing makes ["ab", "c"] and ["a", "bc"] digest differently.
-            h.update(len(raw).to_bytes(8, "little"))
-            h.update(raw)
+        add_items(h, list(self) if self.format == "text" else [
+            json.dumps({"format": self.format, **e}, sort_keys=True) for e in self.examples])
         return h.hexdigest()
+
+
+def add_items(h: Any, items: list[str]) -> None:
+    """Feed strings to a hash, each length-prefixed: ["ab", "c"] and ["a", "bc"] digest differently. The readers
+    that digest a slice of records at a time call it per slice and get Corpus.digest's value."""
+    for t in items:
+        raw = t.encode("utf-8")
+        h.update(len(raw).to_bytes(8, "little"))
+        h.update(raw)
 
 
 def data_digest(texts: list[str]) -> str:
