@@ -110,11 +110,12 @@ class DataConfig(_Section):
         None, ge=1, le=512, description="Processes that tokenise the records in parallel when the rows are "
         "prepared (once per data version; every phase reuses them). Unset: the cores this process may use.")
     streaming: bool = Field(
-        False, description="Read the records as a stream (datasets' IterableDataset over the local files) and cut "
-        "blocks on the fly, with no packed rows on disk: for a corpus larger than the data cache should hold. "
-        "Plain text blocks only (packing blocks, train_on all; .txt, or a text field in .jsonl/.json/.parquet/.csv "
-        "or a saved dataset). The first train.eval_batches micro-batches of blocks are the validation set; the "
-        "stream position is saved in training checkpoints, so a resume continues at the exact block.")
+        False, description="Read the records as a stream (datasets' IterableDataset over the files, or "
+        "load_dataset(NAME, streaming=True) for hf:NAME) and cut blocks on the fly, with no packed rows on disk: "
+        "for a corpus larger than the data cache should hold. Plain text blocks only (packing blocks, train_on all; "
+        ".txt, or a text field in .jsonl/.json/.parquet/.csv, a saved dataset or hf:NAME). The first "
+        "train.eval_batches micro-batches of blocks are the validation set; the stream position is saved in "
+        "training checkpoints, so a resume continues at the exact block.")
     shuffle_buffer: int = Field(
         1024, ge=1, le=1_000_000, description="data.streaming: blocks shuffled together. A stream cannot be shuffled "
         "globally: each window of this many consecutive blocks is permuted (seeded by train.seed, the epoch and the "
@@ -127,9 +128,9 @@ class DataConfig(_Section):
             return self
         wrong = [f"data.{k}: {want} (got {got})" for k, want, got in (
             ("packing", "blocks", self.packing), ("train_on", "all", self.train_on),
-            ("path", "local files", self.path)) if (got != want if k != "path" else not got or got.startswith("hf:"))]
+            ("path", "files, a saved dataset or hf:NAME", self.path)) if (got != want if k != "path" else not got)]
         if wrong:
-            raise ValueError("data.streaming: true streams plain text blocks from local files only; set "
+            raise ValueError("data.streaming: true streams plain text blocks from data.path only; set "
                              f"{', '.join(wrong)}, or data.streaming: false")
         return self
 

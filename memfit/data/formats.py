@@ -137,13 +137,30 @@ def _read_saved(path: Path, split: str) -> Any:
     return ds
 
 
+def _hub_error(name: str, split: str, err: BaseException) -> DataError:
+    why = _root_cause(err)
+    if why.startswith(("Bad split", "Unknown split")):  # datasets' words for a split the dataset lacks
+        return DataError(f"data.split: dataset {name!r} (data.path hf:{name}) has no split {split!r} ({why}); "
+                         "set data.split to one of its splits")
+    return DataError(f"data.path: could not load dataset {name!r} split {split!r} with datasets.load_dataset "
+                     f"({why}); check the id, the split (data.split) and the network")
+
+
 def _read_hub(name: str, split: str, cache_dir: str) -> Any:
     datasets = _quiet_datasets()
     try:
         return datasets.load_dataset(name, split=split, cache_dir=cache_dir)
     except Exception as err:  # noqa: BLE001 - hub, network and builder errors all mean "could not load"
-        raise DataError(f"data.path: could not load dataset {name!r} split {split!r} with datasets.load_dataset "
-                        f"({_root_cause(err)}); check the id, the split (data.split) and the network") from None
+        raise _hub_error(name, split, err) from None
+
+
+def stream_hub(name: str, split: str) -> Any:
+    """datasets.load_dataset(name, split, streaming=True): an IterableDataset, nothing downloaded ahead."""
+    datasets = _quiet_datasets()
+    try:
+        return datasets.load_dataset(name, split=split, streaming=True)
+    except Exception as err:  # noqa: BLE001 - as _read_hub
+        raise _hub_error(name, split, err) from None
 
 
 def detect_format(columns: list[str], cfg: DataConfig, where: str, quiet: bool = False) -> str:

@@ -1,7 +1,8 @@
 """data.streaming: plain text records read as a stream, cut into blocks on the fly, resumable at the exact block."""
 
-# What streams: .txt paragraphs, and data.text_field in .jsonl/.json/.parquet/.csv files or a save_to_disk dataset,
-# each read through datasets' IterableDataset (nothing is written to disk). The blocks are those the prepared path
+# What streams: .txt paragraphs, and data.text_field in .jsonl/.json/.parquet/.csv files, a save_to_disk dataset or
+# hf:NAME (datasets.load_dataset(NAME, split, streaming=True): one source, the hub's shards in its state_dict), each
+# read through datasets' IterableDataset (nothing is written to disk). The blocks are those the prepared path
 # cuts (every text followed by eos, all concatenated, cut every seq_len tokens); the split and the order differ:
 # validation is the stream's first blocks, and a stream cannot be shuffled globally, so each window of
 # data.shuffle_buffer consecutive blocks is permuted. A position is (source, datasets' state_dict before a batch of
@@ -21,20 +22,23 @@ import numpy as np
 import torch
 
 from memfit.config import DataConfig, MemfitConfig
-from memfit.data.files import data_files, missing_data, saved_dataset_dir
+from memfit.data.files import HUB_PREFIX, data_files, missing_data, saved_dataset_dir
 from memfit.errors import CheckpointError, DataError
 
 log = logging.getLogger("memfit.data")
 BATCH = 256  # records tokenised at once; also the granularity of a saved position
-STREAMS = ".txt paragraphs, or data.text_field in .jsonl/.json/.parquet/.csv files or a saved dataset"
+STREAMS = ".txt paragraphs, or data.text_field in .jsonl/.json/.parquet/.csv files, a saved dataset or hf:NAME"
 Position = dict[str, Any]  # {"source", "state" (datasets' state_dict or None: the start), "record", "skip"}
 
 
 def _sources(data: DataConfig) -> list[tuple[str, Callable[[], Any], str]]:
     """(where, a function opening its IterableDataset, text field) per source, in the prepared path's order."""
-    from memfit.data.formats import _BUILDERS, _quiet_datasets, _read_saved
+    from memfit.data.formats import _BUILDERS, _quiet_datasets, _read_saved, stream_hub
 
-    assert data.path is not None  # the config allows streaming from local files only
+    assert data.path is not None  # the config refuses streaming the synthetic corpus
+    if data.path.startswith(HUB_PREFIX):
+        name = data.path[len(HUB_PREFIX):]
+        return [(data.path, lambda: stream_hub(name, data.split), data.text_field)]
     path = Path(data.path).expanduser()
     if not path.exists():
         raise missing_data(path)
@@ -50,6 +54,16 @@ def _sources(data: DataConfig) -> list[tuple[str, Callable[[], Any], str]]:
 
     return [(str(f), opener(f), "text" if f.suffix.lower() == ".txt" else data.text_field)
             for f in data_files(path) if f.stat().st_size > 0]
+
+
+def _layout(columns: list[str], data: DataConfig, where: str) -> str:
+    """The record layout the prepared path would read (data.format, or what the fields show); text when none."""
+    from memfit.data.formats import detect_format
+
+    try:
+        return detect_format(columns, data, where)
+    except DataError:  # no field of any layout: the text field is the one that is missing
+        return "text"
 
 
 def _seed(*parts: int) -> int:
@@ -78,20 +92,39 @@ class BlockStream:
     def _check(self, i: int, ds: Any) -> None:
         """A source holds plain text records, or one clear line says it does not stream."""
         where, _, field = self.sources[i]
-        if i in self._checked or where.lower().endswith(".txt"):
+        if i in self._checked or (where.lower().endswith(".txt") and not where.startswith(HUB_PREFIX)):
             return
         from memfit.data.arrow_text import _is_text
-        from memfit.data.formats import detect_format
 
-        columns = list(ds.column_names or next(iter(ds.take(1)), {}).keys())
+        columns = list(ds.column_names or next(iter(self._batches(i, ds.take(1))), {}).keys())
+        if field not in columns and _layout(columns, self.data, where) == "text":  # no text, nor another layout
+            raise DataError(f"data.text_field: the records of {where} have no {field!r} field (fields: "
+                            f"{', '.join(columns) or 'none'}); set data.text_field to the field holding the text")
         if not _is_text(columns, self.data):
-            try:
-                fmt = detect_format(columns, self.data, where)
-            except DataError:
-                fmt = f"no '{field}' field, nor any other supported"
-            raise DataError(f"data.streaming: {where} holds {fmt} records; only plain text streams ({STREAMS}): "
-                            "set data.streaming: false")
+            raise DataError(f"data.streaming: {where} holds {_layout(columns, self.data, where)} records; only "
+                            f"plain text streams ({STREAMS}): set data.streaming: false")
         self._checked.add(i)
+
+    def _batches(self, i: int, ds: Any) -> Iterator[dict[str, list[Any]]]:
+        """ds's records BATCH at a time; a read that fails (a broken file, the network mid-stream) is one line."""
+        where = self.sources[i][0]
+        batches = iter(ds.iter(batch_size=BATCH))
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except DataError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the builders and the hub raise many types
+                from memfit.data.formats import _root_cause
+
+                fix = ("check the network and the id (a resume continues at the last checkpoint)"
+                       if where.startswith(HUB_PREFIX) else "check the file, or read it with data.streaming: false "
+                       "for the record it fails at")
+                raise DataError(f"data.path: could not read {where} as a stream ({_root_cause(err)}); {fix}"
+                                ) from None
+            yield batch
 
     def _encode(self, texts: list[str]) -> np.ndarray:
         ids = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
@@ -106,7 +139,7 @@ class BlockStream:
             state, record = (pos["state"], pos["record"]) if i == pos["source"] else (None, 0)
             if state is not None:
                 ds.load_state_dict(state)
-            for batch in ds.iter(batch_size=BATCH):
+            for batch in self._batches(i, ds):
                 texts = batch[field]
                 if any(t is None for t in texts):
                     n = record + 1 + next(k for k, t in enumerate(texts) if t is None)

@@ -1,4 +1,5 @@
-"""data.streaming trained for real: a run killed mid-epoch resumes at the exact block, bitwise, losses and weights."""
+"""data.streaming trained for real: a run killed mid-epoch resumes at the exact block, bitwise, losses and weights
+(a file, and hf:NAME)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,15 @@ def _weights(root: Path) -> dict[str, torch.Tensor]:
     return load_file(str(sorted(p for p in root.iterdir() if p.name.startswith("step-"))[-1] / "model.safetensors"))
 
 
-def test_streamed_run_killed_mid_epoch_resumes_bitwise(tiny_config, tmp_path, monkeypatch, caplog):
-    data = _corpus(tmp_path / "notes.jsonl", 1500)  # about 200 blocks of 64: 9 steps of 16 stay inside epoch 1
-    common = {"data.path": str(data), "data.streaming": True, "data.shuffle_buffer": 24, "tracking.backend": "null",
+@pytest.mark.parametrize("source", ["file", "hf"])
+def test_streamed_run_killed_mid_epoch_resumes_bitwise(source, tiny_config, tmp_path, monkeypatch, caplog):
+    (tmp_path / "hub").mkdir()
+    data = _corpus(tmp_path / "hub" / "notes.jsonl", 1500)  # ~200 blocks of 64: 9 steps of 16 stay in epoch 1
+    # hf:NAME is datasets.load_dataset(NAME, streaming=True), offline here on a local folder given as the name; the
+    # resume finds the checkpoint's data by that name (the fingerprint: name and split).
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    path = str(data) if source == "file" else f"hf:{tmp_path / 'hub'}"
+    common = {"data.path": path, "data.streaming": True, "data.shuffle_buffer": 24, "tracking.backend": "null",
               "train.max_steps": 9, "checkpoint.every_steps": 3, "train.num_threads": 1, "train.eval_batches": 2}
     losses: dict[str, dict[int, float]] = {"straight": {}, "killed": {}}
     original = NullTracker.log_metrics

@@ -151,6 +151,8 @@ def test_saved_dataset_and_load_dataset_ids_read_locally(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     write_parquet(pc, tmp_path / "hub" / "data" / "train-00000-of-00001.parquet")
     assert load_texts(DataConfig(path=f"hf:{tmp_path / 'hub'}")).examples == pc
+    with pytest.raises(DataError, match=r"^data\.split: dataset .* has no split 'test' .*; set data\.split"):
+        load_texts(DataConfig(path=f"hf:{tmp_path / 'hub'}", split="test"))
 
 
 @pytest.mark.parametrize(("records", "needles"), [

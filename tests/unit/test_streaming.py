@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,7 @@ def tok(corpus):
     return bpe_tokenizer(corpus[1])
 
 
-def _data(root: Path, **kw: object) -> DataConfig:
+def _data(root: Path | str, **kw: object) -> DataConfig:
     return DataConfig(path=str(root), streaming=True, seq_len=32, **kw)
 
 
@@ -104,12 +105,19 @@ def test_training_order_is_windowed_seeded_and_resumes_at_any_block(corpus, tok)
 
 
 def test_bad_combinations_and_formats_are_one_clear_line(tmp_path, tok):
-    for kw in ({"packing": "padding_free"}, {"train_on": "completion"}, {"path": None}, {"path": "hf:x/y"}):
+    for kw in ({"packing": "padding_free"}, {"train_on": "completion"}, {"path": None}):
         with pytest.raises(ValueError, match="data.streaming: true streams plain text blocks"):
             DataConfig(**{"path": str(tmp_path), "streaming": True, **kw})
+    assert DataConfig(path="hf:someone/corpus", streaming=True).streaming  # hub names stream (read when trained)
     chats = messages_jsonl(tmp_path / "chat.jsonl", 5)
     stream = BlockStream(DataConfig(path=str(chats), streaming=True, seq_len=16), tok, 0, "fp")
     with pytest.raises(DataError, match=r"chat.jsonl holds messages records; only plain text streams"):
+        stream.read(stream.start, 1)
+    bodies = tmp_path / "bodies.jsonl"
+    bodies.write_text(json.dumps({"body": "words"}) + "\n")
+    stream = BlockStream(DataConfig(path=str(bodies), streaming=True, seq_len=16, format="text"), tok, 0, "fp")
+    with pytest.raises(DataError, match=r"^data.text_field: the records of .*bodies.jsonl have no 'text' field "
+                       r"\(fields: body\); set data.text_field"):
         stream.read(stream.start, 1)
     holes = tmp_path / "holes.jsonl"
     holes.write_text("".join(json.dumps({"text": None if i == 2 else f"t {i}"}) + "\n" for i in range(5)))
@@ -127,3 +135,72 @@ def test_the_run_identity_names_streaming_only_when_it_is_on(tmp_path):
     assert "streaming" not in plain and "shuffle_buffer" not in plain
     streamed = run_identity(MemfitConfig(data={"path": str(tmp_path), "streaming": True, "shuffle_buffer": 8}))
     assert streamed["data"]["streaming"] is True and streamed["data"]["shuffle_buffer"] == 8
+
+
+# -- hf:NAME: datasets.load_dataset(NAME, split, streaming=True), offline on a local folder given as the name ----------
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory) -> Path:
+    """A folder of two .jsonl shards: load_dataset streams it as one source (split train), the hub's way."""
+    root = tmp_path_factory.mktemp("hub")
+    for name, texts in (("part-0.jsonl", _texts(260, "h")), ("part-1.jsonl", _texts(190, "i"))):
+        (root / name).write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    return root
+
+
+@pytest.fixture
+def offline(monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def test_an_hf_name_streams_the_blocks_of_its_files_given_as_a_path(hub, tok, offline):
+    hf = BlockStream(_data(f"hf:{hub}"), tok, 0, "fp")
+    assert [where for where, *_ in hf.sources] == [f"hf:{hub}"]  # one source, whatever its shards
+    streamed, end = hf.read(hf.start, 10**9)
+    local = BlockStream(_data(hub), tok, 0, "fp")
+    assert end is None and len(streamed) > 40
+    assert torch.equal(torch.from_numpy(np.stack(streamed)),
+                       torch.from_numpy(np.stack(local.read(local.start, 10**9)[0])))
+
+
+def test_an_hf_stream_resumes_at_the_exact_block(hub, tok, offline, monkeypatch):
+    monkeypatch.setattr("memfit.data.streaming.BATCH", 32)  # positions of many batches (datasets' state_dict)
+    data = _data(f"hf:{hub}", shuffle_buffer=16)
+    ref = BlockStream(data, tok, 5, "fp")
+    every = ref.read(ref.start, 10**9)[0]
+    n = len(every)
+    records = []
+    for k in (9, 100, 200, n - 1):  # in the first batch of records, the first shard, the second, the last block
+        head, pos = ref.read(ref.start, k)
+        assert pos is not None
+        records.append(pos["record"])
+        rest, end = ref.read(json.loads(json.dumps(pos)), 10**9)  # as a checkpoint's state.json keeps it
+        assert end is None and all((x == y).all() for x, y in zip(head + rest, every, strict=True)), k
+    assert records[0] == 0 and 0 < records[1] < 260 < records[2]  # resumed from datasets' state in each shard
+    straight = ref.next_blocks(n + 7)
+    a = BlockStream(data, tok, 5, "fp")
+    first = a.next_blocks(n - 21)  # the training order, cut in a late window
+    b = BlockStream(data, tok, 5, "fp")
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert torch.equal(torch.cat([first, b.next_blocks(28)]), straight)
+
+
+def test_an_hf_name_without_the_split_or_the_text_field_is_one_line(hub, tok, offline, tmp_path):
+    def error(**kw: object) -> str:
+        stream = BlockStream(_data(**kw), tok, 0, "fp")
+        with pytest.raises(DataError) as err:
+            stream.read(stream.start, 1)
+        assert err.value.__cause__ is None and (err.value.__context__ is None or err.value.__suppress_context__)
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    assert re.fullmatch(rf"data\.split: dataset '{hub}' \(data\.path hf:{hub}\) has no split 'validation' "
+                        r"\(Bad split: validation\. Available splits: \['train'\]\); set data\.split to one of its "
+                        r"splits", error(root=f"hf:{hub}", split="validation"))
+    (tmp_path / "bodies").mkdir()
+    (tmp_path / "bodies" / "x.jsonl").write_text(json.dumps({"id": 1, "body": "some words"}) + "\n")
+    assert error(root=f"hf:{tmp_path / 'bodies'}") == (
+        f"data.text_field: the records of hf:{tmp_path / 'bodies'} have no 'text' field (fields: id, body); set "
+        "data.text_field to the field holding the text")
+    assert error(root=f"hf:{tmp_path / 'nowhere'}").startswith(
+        f"data.path: could not load dataset '{tmp_path / 'nowhere'}' split 'train' with datasets.load_dataset (")
