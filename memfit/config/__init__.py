@@ -56,7 +56,8 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     path: str | None = Field(
         None, description="A .txt/.jsonl/.json/.parquet/.csv file, a folder of them, a folder written by datasets' "
-        "save_to_disk, or hf:NAME for a dataset loaded with datasets.load_dataset. Unset: a seeded synthetic corpus.")
+        "save_to_disk, or hf:NAME[@REVISION] for a dataset loaded with datasets.load_dataset (the revision pins a "
+        "commit, tag or branch). Unset: a seeded synthetic corpus.")
     format: Literal["auto", "text", "prompt_completion", "messages", "preference"] = Field(
         "auto", description="Record layout. auto: preference when records have chosen_field and rejected_field, "
         "messages when they have messages_field, prompt_completion when they have prompt_field and "

@@ -7,7 +7,16 @@ from pathlib import Path
 from memfit.errors import DataError
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".csv")
-HUB_PREFIX = "hf:"  # data.path = hf:NAME loads a dataset with datasets.load_dataset
+HUB_PREFIX = "hf:"  # data.path = hf:NAME[@REVISION] loads a dataset with datasets.load_dataset
+
+
+def hub_name(path: str) -> tuple[str, str | None]:
+    """(NAME, REVISION or None) of data.path hf:NAME[@REVISION]: a commit, tag or branch pins what is read."""
+    name = path[len(HUB_PREFIX):]
+    base, at, revision = name.rpartition("@")
+    if at and base and revision and "/" not in revision:
+        return base, revision
+    return name, None
 
 
 def data_files(path: Path) -> list[Path]:

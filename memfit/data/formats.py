@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.config import DataConfig
-from memfit.data.files import HUB_PREFIX, blank_data, data_files, missing_data, saved_dataset_dir
+from memfit.data.files import HUB_PREFIX, blank_data, data_files, hub_name, missing_data, saved_dataset_dir
 from memfit.data.synthetic import synthetic_corpus, synthetic_preference_pairs
 from memfit.errors import DataError
 
@@ -137,30 +137,35 @@ def _read_saved(path: Path, split: str) -> Any:
     return ds
 
 
-def _hub_error(name: str, split: str, err: BaseException) -> DataError:
+def _hub_error(path: str, split: str, err: BaseException) -> DataError:
+    name, revision = hub_name(path)
     why = _root_cause(err)
+    at = f" at revision {revision!r}" if revision else ""
     if why.startswith(("Bad split", "Unknown split")):  # datasets' words for a split the dataset lacks
-        return DataError(f"data.split: dataset {name!r} (data.path hf:{name}) has no split {split!r} ({why}); "
+        return DataError(f"data.split: dataset {name!r}{at} (data.path {path}) has no split {split!r} ({why}); "
                          "set data.split to one of its splits")
-    return DataError(f"data.path: could not load dataset {name!r} split {split!r} with datasets.load_dataset "
-                     f"({why}); check the id, the split (data.split) and the network")
+    return DataError(f"data.path: could not load dataset {name!r}{at} split {split!r} with datasets.load_dataset "
+                     f"({why}); check the id, the revision after @, the split (data.split) and the network")
 
 
-def _read_hub(name: str, split: str, cache_dir: str) -> Any:
+def _read_hub(path: str, split: str, cache_dir: str) -> Any:
+    """data.path hf:NAME[@REVISION] through datasets.load_dataset (the revision pins a commit, tag or branch)."""
     datasets = _quiet_datasets()
+    name, revision = hub_name(path)
     try:
-        return datasets.load_dataset(name, split=split, cache_dir=cache_dir)
+        return datasets.load_dataset(name, split=split, cache_dir=cache_dir, revision=revision)
     except Exception as err:  # noqa: BLE001 - hub, network and builder errors all mean "could not load"
-        raise _hub_error(name, split, err) from None
+        raise _hub_error(path, split, err) from None
 
 
-def stream_hub(name: str, split: str) -> Any:
-    """datasets.load_dataset(name, split, streaming=True): an IterableDataset, nothing downloaded ahead."""
+def stream_hub(path: str, split: str) -> Any:
+    """load_dataset(NAME, split, revision, streaming=True) for hf:NAME[@REVISION]: nothing downloaded ahead."""
     datasets = _quiet_datasets()
+    name, revision = hub_name(path)
     try:
-        return datasets.load_dataset(name, split=split, streaming=True)
+        return datasets.load_dataset(name, split=split, streaming=True, revision=revision)
     except Exception as err:  # noqa: BLE001 - as _read_hub
-        raise _hub_error(name, split, err) from None
+        raise _hub_error(path, split, err) from None
 
 
 def detect_format(columns: list[str], cfg: DataConfig, where: str, quiet: bool = False) -> str:
@@ -287,8 +292,7 @@ def _tables(cfg: DataConfig, cache_dir: str) -> list[tuple[str, Any, str]]:
     """(where, datasets.Dataset, file suffix) for every source data.path names, in sorted file order."""
     assert cfg.path is not None
     if cfg.path.startswith(HUB_PREFIX):
-        name = cfg.path[len(HUB_PREFIX):]
-        return [(name, _read_hub(name, cfg.split, cache_dir), "")]
+        return [(hub_name(cfg.path)[0], _read_hub(cfg.path, cfg.split, cache_dir), "")]
     path = Path(cfg.path).expanduser()
     if not path.exists():
         raise missing_data(path)

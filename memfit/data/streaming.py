@@ -37,8 +37,8 @@ def _sources(data: DataConfig) -> list[tuple[str, Callable[[], Any], str]]:
 
     assert data.path is not None  # the config refuses streaming the synthetic corpus
     if data.path.startswith(HUB_PREFIX):
-        name = data.path[len(HUB_PREFIX):]
-        return [(data.path, lambda: stream_hub(name, data.split), data.text_field)]
+        path = data.path
+        return [(path, lambda: stream_hub(path, data.split), data.text_field)]
     path = Path(data.path).expanduser()
     if not path.exists():
         raise missing_data(path)

@@ -163,6 +163,27 @@ def test_an_hf_name_streams_the_blocks_of_its_files_given_as_a_path(hub, tok, of
                        torch.from_numpy(np.stack(local.read(local.start, 10**9)[0])))
 
 
+def test_an_hf_revision_pins_what_is_read_streamed_or_prepared(hub, tok, offline, monkeypatch):
+    """hf:NAME@REVISION passes the revision to load_dataset (a local folder ignores it, so a spy reads it)."""
+    import datasets
+
+    from memfit.data.files import hub_name
+    from memfit.data.source import source_fingerprint
+
+    assert hub_name("hf:org/corpus@v1.2") == ("org/corpus", "v1.2")
+    assert hub_name("hf:org/corpus") == ("org/corpus", None)
+    assert hub_name("hf:/data/me@work/corpus") == ("/data/me@work/corpus", None)  # an @ inside a path is a path
+    seen, real = [], datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, **kw: seen.append((name, kw)) or real(name, **kw))
+    pinned = BlockStream(_data(f"hf:{hub}@3f2a9c1"), tok, 0, "fp")
+    streamed = pinned.read(pinned.start, 10**9)[0]
+    assert len(streamed) > 40
+    assert load_texts(DataConfig(path=f"hf:{hub}@3f2a9c1")).format == "text"
+    assert [(name, kw.get("revision"), bool(kw.get("streaming"))) for name, kw in seen] == [
+        (str(hub), "3f2a9c1", True), (str(hub), "3f2a9c1", False)]
+    assert source_fingerprint(_data(f"hf:{hub}@3f2a9c1")) != source_fingerprint(_data(f"hf:{hub}@main"))
+
+
 def test_an_hf_stream_resumes_at_the_exact_block(hub, tok, offline, monkeypatch):
     monkeypatch.setattr("memfit.data.streaming.BATCH", 32)  # positions of many batches (datasets' state_dict)
     data = _data(f"hf:{hub}", shuffle_buffer=16)
