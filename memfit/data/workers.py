@@ -1,4 +1,4 @@
-"""Forked worker processes mapping a function over jobs, results taken in order through a bounded queue."""
+"""Forked worker processes mapping a function over jobs, results taken in order, a bounded number in flight."""
 
 from __future__ import annotations
 
@@ -7,33 +7,53 @@ import os
 import signal
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
+
+from memfit.errors import DataError
 
 
 def in_order(work: Callable[[Any], Any], jobs: Iterable[Any], num_proc: int, sink: Callable[[Any], None]) -> None:
     """sink(work(job)) for every job, in the jobs' order: in this process, or in num_proc forked workers that
     inherit what the parent set up (a tokenizer); at most 4 x num_proc jobs are in flight, so the parent's memory
-    stays flat however many jobs there are. A worker's exception is raised here, the first in job order."""
+    stays flat however many jobs there are. A worker's exception is raised here, the first in job order; a worker
+    that dies is an error, never a wait."""
     if num_proc <= 1:
         for job in jobs:
             sink(work(job))
         return
+    # concurrent.futures rather than multiprocessing.Pool: Pool.terminate can hang for good when its task thread is
+    # blocked writing a large job into a pipe no worker reads any more (seen once here, under load, on a bad
+    # record), and a Pool whose worker died waits for its result forever; the executor reports both as errors.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    pool = multiprocessing.get_context("fork").Pool(num_proc, initializer=quiet_signals)
+    pool = ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("fork"), initializer=quiet_signals)
+    pending: deque[Future[Any]] = deque()
     try:
-        pending: deque[Any] = deque()
         for job in jobs:
-            pending.append(pool.apply_async(work, (job,)))
+            pending.append(pool.submit(work, job))
             if len(pending) >= 4 * num_proc:
-                sink(pending.popleft().get())
+                sink(_result(pending.popleft()))
         while pending:
-            sink(pending.popleft().get())
-        pool.close()  # workers leave when the queue is done: no signal is sent on success
-    except BaseException:
-        pool.terminate()
+            sink(_result(pending.popleft()))
+    except Exception:
+        # a bad record (from a worker or the reader): the jobs in flight finish (a few slices), then all is closed
+        pool.shutdown(wait=True, cancel_futures=True)
         raise
-    finally:
-        pool.join()
+    except BaseException:  # a stop (Ctrl-C, the run's termination): the workers go now
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _result(future: Future[Any]) -> Any:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise DataError("data.num_proc: a data preparation worker died (killed, or out of memory?); lower "
+                        "data.num_proc, or set it to 1 to prepare in this process") from None
 
 
 def quiet_signals() -> None:

@@ -132,3 +132,28 @@ def test_dpo_estimate_reads_the_longest_pair_a_slice_at_a_time(tmp_path, tok, sm
     short = cfg.data.model_copy(update={"seq_len": 4, "overlong": "drop"})
     with pytest.raises(DataError, match=r"data\.seq_len: .*pairs\.jsonl record 1: field 'prompt'"):
         arrow_examples.longest_pair(short, tok, str(tmp_path / "arrow"))
+
+
+def _die_or_fail(job):
+    import os
+
+    i, payload = job
+    if i == 5 and payload == "die":
+        os._exit(3)  # a worker killed mid-job (the OOM killer, say)
+    if i == 5:
+        raise DataError(f"data.path: x.jsonl record {i}: bad")
+    return i, len(payload)
+
+
+@pytest.mark.parametrize("payload", ["fail", "die"])
+def test_a_failing_or_dying_worker_is_an_error_not_a_wait(payload):
+    """Large jobs (pipes full), a failure in the middle: the error comes back in job order, and nothing hangs."""
+    from memfit.data.workers import in_order
+
+    big = "x" * 2_000_000
+    jobs = [(i, payload if i == 5 else big) for i in range(40)]
+    got: list[int] = []
+    expected = r"record 5: bad" if payload == "fail" else r"data\.num_proc: a data preparation worker died"
+    with pytest.raises(DataError, match=expected):
+        in_order(_die_or_fail, iter(jobs), 2, lambda r: got.append(r[0]))
+    assert got == [0, 1, 2, 3, 4]  # everything before the failure, in order, and nothing after it
