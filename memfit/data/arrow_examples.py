@@ -60,8 +60,9 @@ def _slices(data: DataConfig, cache_dir: str, quiet: bool = False, tables: list[
             tables.append((where, ds))
         start = 0
         for rows in _rows(ds):
-            examples = normalise(rows, fmt, cfg, where, numbers[start:start + len(rows)])
-            origins = [(where, n) for n in numbers[start:start + len(rows)]]
+            slice_numbers = numbers[start:start + len(rows)].tolist()
+            examples = normalise(rows, fmt, cfg, where, slice_numbers)
+            origins = [(where, n) for n in slice_numbers]
             start += len(rows)
             if fmt == "text":
                 keep = [i for i, e in enumerate(examples) if e["text"].strip()]

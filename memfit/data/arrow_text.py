@@ -86,7 +86,7 @@ def _batches(ds: Any, field: str) -> Iterator[Any]:
 def _missing(where: str, suffix: str, field: str, record: int, n_rows: int) -> DataError:
     from memfit.data.formats import _bad, record_lines
 
-    n = record_lines(Path(where), suffix, n_rows)[record]
+    n = int(record_lines(Path(where), suffix, n_rows)[record])
     return _bad("text_field", where, n, field, "is missing", "every text record needs a string there (or set "
                 "data.format and the data.*_field names)")
 
