@@ -118,9 +118,9 @@ def _base_with_tokenizer(base: Path, tokenizer: Any, into: Path) -> Path:
 
 def _quant_of(path: Path) -> str:
     """The quant of a GGUF file, as its header says (general.file_type), read by llama.cpp without the weights."""
-    from llama_cpp import Llama
+    from memfit.release.llama_loader import open_gguf
 
-    llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    llm = open_gguf(str(path), vocab_only=True, verbose=False)
     try:
         file_type = llm.metadata.get("general.file_type")
     finally:

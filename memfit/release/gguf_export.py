@@ -131,9 +131,9 @@ def _model_name(name: str, tokenizer: Any) -> str:
 
 def _architecture(path: Path) -> str:
     """general.architecture of a GGUF file (llama.cpp's name of the family), its vocabulary alone loaded."""
-    from llama_cpp import Llama
+    from memfit.release.llama_loader import open_gguf
 
-    llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    llm = open_gguf(str(path), vocab_only=True, verbose=False)
     try:
         return str(llm.metadata.get("general.architecture", ""))
     finally:
@@ -184,12 +184,12 @@ def verify_file(path: Path, quant: str, tokenizer: Any, ref: list[dict[str, Any]
     chat template (from the GGUF) rendered by llama-cpp-python's Jinja formatter against the tokenizer's. `lora`: a
     GGUF LoRA adapter llama.cpp applies on the model (export.formats gguf-adapter)."""
     import numpy as np
-    from llama_cpp import Llama
 
+    from memfit.release.llama_loader import open_gguf
     from memfit.release.parity import shape_parity
 
     longest = max(len(r["seq"]) for r in ref)
-    llm = Llama(model_path=str(path), n_ctx=max(64, longest + 8), logits_all=True, verbose=False, seed=0,
+    llm = open_gguf(str(path), n_ctx=max(64, longest + 8), logits_all=True, verbose=False, seed=0,
                 lora_path=str(lora) if lora else None, n_threads=max(1, min(4, os.cpu_count() or 1)))
     greedy, agree, positions, diff, kl = 0, 0, 0, 0.0, 0.0
     try:

@@ -164,10 +164,10 @@ class LlamaCppBackend:
     def __init__(self, gguf_path: Path, context: int):
         import os
 
-        from llama_cpp import Llama
+        from memfit.release.llama_loader import open_gguf
 
         try:
-            self.llm = Llama(model_path=str(gguf_path), n_ctx=context, logits_all=True, verbose=False, seed=0,
+            self.llm = open_gguf(str(gguf_path), n_ctx=context, logits_all=True, verbose=False, seed=0,
                              n_threads=os.cpu_count() or 1)
         except (ValueError, RuntimeError) as err:
             raise ModelLoadError(f"llama.cpp cannot load {gguf_path}: {str(err).splitlines()[0]}") from None

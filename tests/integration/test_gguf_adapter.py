@@ -67,14 +67,15 @@ def lora_run(tmp_path_factory, converter):
 def _greedy(hf_dir: Path, gguf: Path, lora: Path | None, prompt: str, n: int = 8) -> tuple[list[int], list[int]]:
     """transformers' greedy tokens on the merged export, and llama.cpp's own sampler at top-k 1 on the base GGUF
     (with the adapter when `lora`): not memfit's verification loop, an independent oracle."""
-    from llama_cpp import Llama
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memfit.release.llama_loader import open_gguf
 
     tok = AutoTokenizer.from_pretrained(hf_dir)
     ids = tok(prompt, return_tensors="pt")["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     want = model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
-    llm = Llama(model_path=str(gguf), lora_path=str(lora) if lora else None, n_ctx=128, verbose=False, seed=0,
+    llm = open_gguf(str(gguf), lora_path=str(lora) if lora else None, n_ctx=128, verbose=False, seed=0,
                 n_threads=1)
     got = []
     try:

@@ -41,9 +41,9 @@ def _greedy_hf(folder: Path, prompt: str, n: int) -> tuple[list[int], list[int]]
 
 def _greedy_llama_cpp(path: Path, ids: list[int], n: int) -> list[int]:
     """llama.cpp's own sampler at top-k 1 (not memfit's verification loop): an independent oracle."""
-    from llama_cpp import Llama
+    from memfit.release.llama_loader import open_gguf
 
-    llm = Llama(model_path=str(path), n_ctx=128, verbose=False, seed=0, n_threads=1)
+    llm = open_gguf(str(path), n_ctx=128, verbose=False, seed=0, n_threads=1)
     try:
         out = []
         for token in llm.generate(ids, top_k=1, temp=0.0):
@@ -79,13 +79,38 @@ def llama_run(tmp_path_factory):
     return cfg, phases.evaluate_and_release(cfg, result)
 
 
+def test_a_q8_0_file_runs_on_this_cpu_with_amx_kernels_left_out_where_they_crash(llama_run, monkeypatch):
+    """llama.cpp's AMX kernels segfault on the first q8_0 decode (ggml-org/llama.cpp#20824; every q8_0 file on this
+    project's Sapphire-Rapids-class CI machine, taking the pytest worker with it): memfit opens GGUF files with
+    llama.cpp's extra buffer types off where its CPU backend reports AMX-INT8, and as the variable says otherwise."""
+    import llama_cpp
+
+    from memfit.release.llama_loader import ENV, open_gguf
+
+    path = Path(llama_run[1].gguf["dir"]) / "model-q8_0.gguf"
+    amx = "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode()
+    llm = open_gguf(path, n_ctx=64, verbose=False, seed=0, n_threads=1)
+    try:
+        assert llm.model_params.use_extra_bufts is not amx
+        llm.eval(llm.tokenize(b"one two three", add_bos=True, special=True))  # the decode that crashed
+        assert len(llm.scores[llm.n_tokens - 1]) == llm.n_vocab()
+    finally:
+        llm.close()
+    monkeypatch.setenv(ENV, "0")  # off everywhere: the same file still runs
+    llm = open_gguf(path, n_ctx=64, verbose=False, vocab_only=True)
+    assert llm.model_params.use_extra_bufts is False
+    llm.close()
+    # the module's default parameters are left as they were (only the load saw them changed)
+    assert llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts is True
+
+
 def test_a_llama_run_exports_gguf_that_llama_cpp_runs_like_transformers(llama_run, tmp_path):
-    from llama_cpp import Llama
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
     from mlflow import MlflowClient
     from transformers import AutoTokenizer
 
     from memfit.files import sha256_file
+    from memfit.release.llama_loader import open_gguf
     from memfit.release.modelfile import parse_modelfile
 
     cfg, exported = llama_run
@@ -105,7 +130,7 @@ def test_a_llama_run_exports_gguf_that_llama_cpp_runs_like_transformers(llama_ru
 
     # The chat template travels in the GGUF and renders like the tokenizer's (without transformers' generation tags).
     tok = AutoTokenizer.from_pretrained(exported.safetensors_dir)
-    llm = Llama(model_path=str(folder / "model-q8_0.gguf"), n_ctx=64, verbose=False)
+    llm = open_gguf(str(folder / "model-q8_0.gguf"), n_ctx=64, verbose=False)
     template = llm.metadata["tokenizer.chat_template"]
     llm.close()
     chat = [{"role": "user", "content": "one two"}, {"role": "assistant", "content": "three"},

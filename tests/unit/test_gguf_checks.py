@@ -168,3 +168,17 @@ def test_a_run_named_phi3_keeps_its_name_only_where_llama_cpp_can_load_it():
     assert _model_name("my-Phi-3-run", trained_here) == "my-phi 3-run"
     assert _model_name("phi3 tune", trained_here) == "phi 3 tune" and _model_name("llama", trained_here) == "llama"
     assert _model_name("my-Phi-3-run", phi3_own) == "my-Phi-3-run"
+
+
+@pytest.mark.parametrize(("info", "env", "wanted"), [
+    ("CPU : AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 |", None, False),  # llama.cpp#20824
+    ("CPU : AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 |", "1", True),  # a build known to be fixed
+    ("CPU : AVX2 = 1 | AMX_INT8 = 0 | REPACK = 1 |", None, True),
+    ("CPU : AVX2 = 1 | REPACK = 1 |", None, True),
+    ("CPU : AVX2 = 1 | REPACK = 1 |", " 0 ", False),
+    ("CPU : AVX2 = 1 | AMX_INT8 = 1 |", "yes", False),  # not 0 or 1: the default decides
+])
+def test_llama_cpp_extra_buffers_are_off_where_its_amx_kernels_run(info, env, wanted):
+    from memfit.release.llama_loader import extra_buffers_wanted
+
+    assert extra_buffers_wanted(info, env) is wanted
