@@ -145,22 +145,6 @@ LONGEST_FIRST = ("tests/e2e/test_recovery.py",  # ≈ 700 s: machines killed and
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadfile":
         return None
-    from xdist.scheduler import LoadFileScheduling
+    from xdist_schedule import scheduler
 
-    class TimedFilesTogether(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid)
-            return "timed" if path in TIMED_FILES else path
-
-        def _assign_work_unit(self, node) -> None:
-            if not getattr(self, "_longest_first", False):  # once, when the queue is complete
-                self._longest_first = True
-                rank = {scope: i for i, scope in enumerate(LONGEST_FIRST)}
-                tier = {"e2e": 0, "integration": 1, "unit": 2}  # then e2e, integration, and unit files to fill in
-                units = sorted(self.workqueue.items(), key=lambda kv: (  # stable: xdist's order within a tier
-                    rank.get(kv[0], len(rank)), tier.get(kv[0].split("/")[1] if "/" in kv[0] else "", 3)))
-                self.workqueue.clear()
-                self.workqueue.update(units)
-            super()._assign_work_unit(node)
-
-    return TimedFilesTogether(config, log)
+    return scheduler(config, log, TIMED_FILES, LONGEST_FIRST)
