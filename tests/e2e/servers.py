@@ -84,6 +84,10 @@ def mlflow_server(root: Path, env: dict[str, str], artifacts: str | None = None)
             "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'server.db'}"]
     args += ["--artifacts-destination", artifacts] if artifacts else ["--default-artifact-root", str(root / "art")]
     log = root / "mlflow-server.log"
-    with process_group(args, {**env, "MLFLOW_DISABLE_TELEMETRY": "true"}, root, log) as proc:
+    # No job runner and huey consumers (MLflow's GenAI jobs, which memfit never submits; tests/conftest.py): the
+    # cluster's env is built afresh, and without this each start cost ~14 CPU s and left 7 consumers behind a killed
+    # session.
+    quiet = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with process_group(args, {**env, **quiet}, root, log) as proc:
         wait_http(f"http://127.0.0.1:{port}/health", 120, proc, log)
         yield f"http://127.0.0.1:{port}"
