@@ -7,7 +7,7 @@ from typing import Any
 
 from memfit.config import DataConfig
 from memfit.data.formats import Corpus
-from memfit.data.templates import chat_template, render_turns, template_source
+from memfit.data.templates import chat_template, render_many, render_turns, template_source
 from memfit.errors import DataError, ModelLoadError
 
 log = logging.getLogger("memfit.data")
@@ -82,9 +82,10 @@ def encode_counted(corpus: Corpus, tokenizer: Any, data: DataConfig) -> tuple[li
         return out, 0
     chat_template(tokenizer, data)  # fails once, clearly, for a missing template
     out, no_answer, source = [], 0, template_source(data)
-    for example, where in zip(corpus.examples, corpus.origins, strict=True):
-        ids, mask = render_turns(tokenizer, example["messages"], where, data.messages_field, source,
-                                 masks=train_on != "all")
+    rendered = render_many(tokenizer, [e["messages"] for e in corpus.examples], masks=train_on != "all")
+    for i, (example, where) in enumerate(zip(corpus.examples, corpus.origins, strict=True)):
+        ids, mask = rendered[i] if rendered is not None else render_turns(
+            tokenizer, example["messages"], where, data.messages_field, source, masks=train_on != "all")
         if train_on == "completion":
             mask = last_run(mask)
         if train_on != "all" and not any(mask):
