@@ -104,6 +104,7 @@ class Plan:
     table: list[Estimate] = field(default_factory=list)
     error: str | None = None
     measured: Sequence[MeasuredPeak] = ()
+    settled_stacks: int = 0  # stacks estimated without checkpointing only (settled())
 
     def excluded(self, e: Estimate) -> str | None:
         """Why a measured peak rules `e` out (memory.limits), or None."""
@@ -133,6 +134,7 @@ class Plan:
         head = self.row(self.chosen) if self.chosen is not None else {}
         head.update({"fits": self.fits, "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
                      "budget_source": self.budget_source, "reason": self.reason, "error": self.error,
+                     "settled_stacks": self.settled_stacks,
                      "alternatives": [self.row(e) for e in self.table if e is not self.chosen]})
         return head
 
@@ -149,6 +151,21 @@ def rank_key(e: Estimate, configured: Stack) -> tuple:
     return (e.stack.lora and not configured.lora, e.stack.quantize != configured.quantize,
             e.stack.precision != configured.precision, round(e.step_seconds, 9), recompute,
             -e.stack.micro_batch_size)
+
+
+def settled(e: Estimate, candidates: Sequence[Estimate], limit: int | None, configured: Stack,
+            measured: Sequence[MeasuredPeak] = ()) -> bool:
+    """Whether no checkpointing of `e`'s stack can be chosen, `e` being that stack without any: its fastest form
+    (recompute and offload only add time to the step-time model, and lose ties on recompute). So when `e`
+    fits, or a fitting candidate already ranks above it (rank_key), the stack's other assignments are not
+    worth tracing."""
+    def fits(c: Estimate) -> bool:
+        return (limit is None or c.peak_bytes <= limit) and measured_reason(c, measured) is None
+
+    if fits(e):
+        return True
+    key = rank_key(e, configured)
+    return any(fits(c) and rank_key(c, configured)[:4] < key[:4] for c in candidates)
 
 
 def _table(candidates: Sequence[Estimate], chosen: Estimate | None, limit: int | None,
@@ -242,6 +259,9 @@ def plan_table_markdown(plan: Plan) -> str:
                     f"{e.peak_bytes / GB:.4g} | "
                     f"{e.activation_bytes / GB:.4g} | {e.step_seconds:.3g} | {r['predicted_overhead'] * 100:+.1f}% | "
                     f"{'yes' if r['fits'] else 'no: ' + r['excluded'] if 'excluded' in r else 'no'} |")
+    if plan.settled_stacks:
+        rows.append(f"\n{plan.settled_stacks} stack(s) estimated without checkpointing only: each was already "
+                    "slower than a stack that fits, or fitted as it was, so no recompute could make it the choice")
     chosen = plan.chosen or (plan.table[0] if plan.table else None)
     if chosen is not None and "reference" in chosen.extra:  # train.objective dpo: the rows are pairs x 2
         rows.append(f"\ndpo: micro-batches of pairs (chosen + rejected: 2 rows each); reference counted: "

@@ -26,7 +26,15 @@ from memfit.memory.planner.candidates import (
     technique_variants,
     techniques,
 )
-from memfit.memory.planner.plan import MeasuredPeak, Plan, assignments, choose, fit_margin, measured_reason
+from memfit.memory.planner.plan import (
+    MeasuredPeak,
+    Plan,
+    assignments,
+    choose,
+    fit_margin,
+    measured_reason,
+    settled,
+)
 from memfit.memory.techniques.policies import make_policy
 from memfit.models.experts import model_param_counts
 
@@ -186,6 +194,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         return choose([baseline], budget, configured=configured, baseline=baseline,
                       safety_margin=margin, budget_source=source, fixed_policy=fixed_policy)
     seen: list[Estimate] = []
+    cut = 0  # stacks settled without tracing their checkpointed forms
     plan: Plan | None = None
     last: int | None = None  # the index of the last tier to search, once one fits
     for i, tier in enumerate(tiers):
@@ -200,7 +209,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
                 continue  # none of this tier's stacks can fit: not one step traced
         top = ordered[0].micro_batch_size
         firsts = [s for s in ordered if s.micro_batch_size == top]
-        seen += [est.estimate(first, k) for first in firsts for k in every]
+        cut += _estimate_stacks(est, firsts, every, seen, limit, configured, measured)
         plan = choose(seen, budget, configured=configured, baseline=baseline,
                       safety_margin=margin, budget_source=source,
                       fixed_policy=fixed_policy, measured=measured)
@@ -208,8 +217,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         # they matter only when the largest micro-batch needs recompute (or does not fit at all).
         if plan.fits and plan.chosen is not None and set(plan.chosen.kinds) == {"none"}:
             break
-        for stack in ordered[len(firsts):]:
-            seen += [est.estimate(stack, k) for k in every]
+        cut += _estimate_stacks(est, ordered[len(firsts):], every, seen, limit, configured, measured)
         plan = choose(seen, budget, configured=configured, baseline=baseline,
                       safety_margin=margin, budget_source=source,
                       fixed_policy=fixed_policy, measured=measured)
@@ -223,9 +231,31 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         plan = choose([baseline], budget, configured=configured, baseline=baseline,
                       safety_margin=margin, budget_source=source,
                       fixed_policy=fixed_policy, measured=measured)
-    log.info("memory planner: %d candidates over %d blocks in %.1f s (traces %.1f s)", len(seen), n,
-             time.perf_counter() - t0, est.trace_seconds)
+    plan.settled_stacks = cut
+    log.info("memory planner: %d candidates over %d blocks in %.1f s (traces %.1f s; %d stacks settled without "
+             "checkpointing)", len(seen), n, time.perf_counter() - t0, est.trace_seconds, cut)
     return plan
+
+
+def _estimate_stacks(est: Estimator, stacks: Sequence[Stack], every: Sequence[tuple[str, ...]],
+                     seen: list[Estimate], limit: float | None, configured: Stack,
+                     measured: Sequence[MeasuredPeak]) -> int:
+    """Estimate `stacks` under every assignment into `seen`, each stack first without checkpointing (its fastest
+    form): where that settles it (plan.settled) its checkpointed forms are not traced. The fastest go first, so
+    they settle the most. Returns how many stacks were settled that way."""
+    none = ("none",) * est.n_blocks
+    if len(every) < 2 or every[0] != none:
+        seen += [est.estimate(s, k) for s in stacks for k in every]
+        return 0
+    firsts = sorted((est.estimate(s, none) for s in stacks), key=lambda e: e.step_seconds)
+    seen += firsts
+    cut = 0
+    for first in firsts:
+        if settled(first, seen, None if limit is None else int(limit), configured, measured):
+            cut += 1
+            continue
+        seen += [est.estimate(first.stack, k) for k in every[1:]]
+    return cut
 
 
 def _floor(est: Estimator, stack: Stack) -> int:
