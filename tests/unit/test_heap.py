@@ -12,7 +12,7 @@ from memfit import config
 from memfit.checkpoints import CheckpointManager
 from memfit.data.prepare import DataBundle
 from memfit.run_context import configured_plan
-from memfit.runtime.env import _glibc
+from memfit.runtime.env import DEFAULT_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, _glibc
 from memfit.storage.local import LocalStore
 from memfit.training.loop import Trainer
 
@@ -40,10 +40,10 @@ class FaultsPerStep:
         pass
 
 
-def test_steps_after_the_first_take_no_page_faults(tmp_path):
+def _faults_per_step(tmp_path) -> list[int]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    # configs/tiny.yaml's shapes: a step allocates and frees megabytes (without the policy ≈ 1100 faults a step).
+    # configs/tiny.yaml's shapes: a step allocates and frees megabytes.
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64))
@@ -59,5 +59,26 @@ def test_steps_after_the_first_take_no_page_faults(tmp_path):
         Trainer(cfg, configured_plan(cfg), model, data, torch.device("cpu"), tracker, manager, {}).fit()
     finally:
         manager.close()
-    faults = [tracker.at[s + 1] - tracker.at[s] for s in range(4, 14)]  # steps 5-14: the heap has its peak
-    assert statistics.median(faults) <= 64, faults
+    return [tracker.at[s + 1] - tracker.at[s] for s in range(4, 14)]  # steps 5-14: the heap has its peak
+
+
+def test_steps_after_the_first_take_no_page_faults(tmp_path, monkeypatch):
+    """The same fit twice in this process: first under glibc's default thresholds (set explicitly: an earlier test
+    in this worker may have left memfit's), then under memfit's loop. Compared in one process, because a worker that
+    has run many tests takes some faults a step whatever the heap policy (Python's own arenas come and go: medians
+    of 17-128 seen in a full run, 0-1 alone), while the defaults cost hundreds."""
+    from memfit.training import loop
+
+    libc = _glibc()
+
+    def glibc_defaults():
+        libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+        libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+        return lambda: None
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "keep_heap", glibc_defaults)
+        default = statistics.median(_faults_per_step(tmp_path / "defaults"))
+    kept = statistics.median(_faults_per_step(tmp_path / "memfit"))
+    assert default >= 256, default  # the comparison means something: the defaults re-fault a megabyte a step
+    assert kept <= default / 8, (kept, default)
