@@ -83,8 +83,8 @@ class DrainingRunner(Runner):
         poller = getattr(self, "_scheduled_run_poller", None)
         if poller is not None:
             poller.stopping = True  # the poll loop asks this before every query
-        self._logger.info("%s: draining — taking no new flow runs; the runs in flight save a training checkpoint "
-                          "and end Preempted (drain deadline %.0f s)", reason, self.drain_seconds)
+        # No log line here: this may run in the SIGTERM handler, and a handler that logs can wait for ever on the
+        # lock of the record the interrupted loop was writing (memfit/runtime/signal_relay.py). _drain says it.
         self.execute_in_background(self._drain)
 
     def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
@@ -94,6 +94,8 @@ class DrainingRunner(Runner):
 
     # -- 2, 3. save, end Preempted, leave ----------------------------------------------------------------------
     async def _drain(self) -> None:
+        self._logger.info("%s: draining — taking no new flow runs; the runs in flight save a training checkpoint "
+                          "and end Preempted (drain deadline %.0f s)", self.drain_reason, self.drain_seconds)
         processes, signalled = self._process_manager, set()
         deadline = (self.draining_since or time.monotonic()) + self.drain_seconds
         while time.monotonic() < deadline:

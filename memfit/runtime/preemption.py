@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from memfit.runtime.signal_relay import SignalRelay
+
 log = logging.getLogger("memfit.runtime.preemption")
 
 
@@ -36,20 +38,29 @@ class StopFlag(threading.Event):
 def stop_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[StopFlag]:
     """Yield a StopFlag set by the first SIGTERM/SIGINT; a second SIGINT interrupts as usual.
 
-    Handlers can only be installed from the main thread; elsewhere the flag still works for callers
-    (the spot watcher, a test) but signals keep their default action, and a warning says so.
+    The handler only hands the signal to a relay thread (signal_relay.py: a handler that logged could wait forever
+    on a lock the interrupted main thread held), which says so and sets the flag a moment later. Handlers can only
+    be installed from the main thread; elsewhere the flag still works for callers (the spot watcher, a test) but
+    signals keep their default action, and a warning says so.
     """
     stop = StopFlag()
     previous: dict[int, Any] = {}
+    arrived: list[int] = []  # appended by the handler alone (main thread): no lock needed
 
-    def handler(signum: int, frame: Any) -> None:
-        if stop.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+    def relayed(signum: int) -> None:
         name = signal.Signals(signum).name
         log.warning("received %s: finishing the current optimizer step, then saving a training checkpoint", name)
         stop.request(name)
 
+    def handler(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and (arrived or stop.is_set()):
+            raise KeyboardInterrupt
+        arrived.append(signum)
+        relay.notify(signum)
+
+    relay: SignalRelay | None = None
     if threading.current_thread() is threading.main_thread():
+        relay = SignalRelay(relayed, name="memfit-stop-relay")
         for sig in signals:
             previous[sig] = signal.signal(sig, handler)
     else:
@@ -59,17 +70,24 @@ def stop_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) 
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+        if relay is not None:
+            relay.close()
 
 
 @contextmanager
 def save_on_signal(sig: int = signal.SIGUSR1) -> Iterator[threading.Event]:
-    """Yield an Event set by `sig`: a request for an extra training checkpoint (a rank's rebalance notice)."""
+    """Yield an Event set by `sig`: a request for an extra training checkpoint (a rank's rebalance notice). Set
+    through a relay thread too: a second signal landing inside the first handler's Event.set would wait on the
+    Event's own lock for ever."""
     requested = threading.Event()
-    previous = None
+    previous, relay = None, None
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(sig, lambda signum, frame: requested.set())
+        relay = SignalRelay(lambda signum: requested.set(), name="memfit-save-relay")
+        previous = signal.signal(sig, lambda signum, frame: relay.notify(signum))
     try:
         yield requested
     finally:
         if previous is not None:
             signal.signal(sig, previous)
+        if relay is not None:
+            relay.close()

@@ -46,6 +46,8 @@ class ExitGuard:
         self._armed = threading.Lock()
         self._timer: threading.Thread | None = None
         self._wakeup_r: int | None = None
+        self._wakeup_w: int | None = None
+        self._announced = False
         self._calls = 0
 
     # -- installing ----------------------------------------------------------------------------------
@@ -63,7 +65,7 @@ class ExitGuard:
             os.close(r)
             os.close(w)
             return self
-        self._wakeup_r = r
+        self._wakeup_r, self._wakeup_w = r, w
         threading.Thread(target=self._watch_wakeups, name="memfit-exit-guard", daemon=True).start()
         return self
 
@@ -81,8 +83,18 @@ class ExitGuard:
                     self.arm(signal.Signals(signum).name)
 
     def _handler(self, signum: int, frame: Any) -> None:
+        # No lock and no log line here: the interrupted main thread may hold the lock either would wait for (a log
+        # handler's, mid-record), for ever. The name is noted as it is; the watcher thread says so and starts the
+        # deadline (the interpreter writes the wakeup fd for every signal; written here too, in case another library
+        # took the wakeup fd over since).
         name = signal.Signals(signum).name
-        self.arm(name)
+        if self.signal_name is None:
+            self.signal_name, self.received_at = name, time.monotonic()
+        if self._wakeup_w is not None:
+            try:
+                os.write(self._wakeup_w, bytes([signum]))
+            except OSError:
+                pass
         # Prefect's handler re-sends the signal to this one once it has recorded the crash: that is the first
         # time this handler runs, not a second signal. A second call is a second signal: leave at once.
         self._calls += 1
@@ -103,12 +115,14 @@ class ExitGuard:
         return self.signal_name is not None
 
     def arm(self, name: str) -> None:
-        """Start the deadline at the first stop signal (idempotent)."""
+        """Start the deadline at the first stop signal (idempotent). Never from a signal handler: it logs."""
         with self._armed:
             if self.signal_name is None:
                 self.signal_name, self.received_at = name, time.monotonic()
+            if not self._announced:
+                self._announced = True
                 log.warning("received %s: stopping; the process exits %d within %.0f s (checkpoint.grace_seconds)",
-                            name, EXIT_PREEMPTED, self.grace_s)
+                            self.signal_name, EXIT_PREEMPTED, self.grace_s)
             if self._timer is not None:
                 return
             self._timer = threading.Thread(target=self._deadline, name="memfit-exit-deadline", daemon=True)

@@ -203,7 +203,9 @@ def preemption_chain(cluster: dict[str, Any], run: str, max_restarts: int, kills
                 machines[i].preempt()
                 ended = wait_until(f"attempt {i + 1} ended", lambda c=current: final_run(client, c.id), 60, context)
                 assert ended.state.name == "Preempted", (ended.state, context())
-                assert "training checkpoint" in ended.state.message
+                # Saved by the run itself at the step it stopped, not ended by the drain deadline after a hang (a
+                # handler that logged once waited for ever on a log lock: tests/unit/test_signal_relay.py).
+                assert ended.state.message.startswith("preempted at step"), (ended.state.message, context())
                 ended_at = time.monotonic()
                 # The restart exists before the silence window (50 s) could have passed: it came from the state.
                 current = wait_until("the restart scheduled", lambda: next_run(client, deployment.id, run, seen), 30,
