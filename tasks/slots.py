@@ -57,6 +57,7 @@ def training_slot(config: MemfitConfig) -> Iterator[None]:
             stack.enter_context(machine_slot(slots_folder(), key, slots, run=config.run.name, notify=notify))
         else:
             ensure_training_slots(key, slots)
+            quiet_expected_timeouts()
             start, wait = time.monotonic(), 5.0
             while True:
                 try:
@@ -88,6 +89,25 @@ class _WaitNotice:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class _ExpectedTimeouts(logging.Filter):
+    """Drops Prefect's ERROR line for a slot acquisition that timed out: memfit asks with a timeout on purpose (to
+    say what it waits for, every 30 s) and says so itself; an ERROR for a normal wait sent users looking for a fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("ConcurrencySlotAcquisition" in text and "raised TimeoutError" in text)
+
+
+_QUIET = _ExpectedTimeouts()
+
+
+def quiet_expected_timeouts() -> None:
+    """Once per process (idempotent): the filter stays, as the service logs on its own thread after the wait."""
+    logger = logging.getLogger("prefect._internal.concurrency")
+    if _QUIET not in logger.filters:
+        logger.addFilter(_QUIET)
 
 
 def _server_wait_line(key: str, waited: float) -> str:

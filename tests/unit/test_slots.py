@@ -58,3 +58,22 @@ def test_a_slot_file_left_with_a_holder_but_no_lock_is_free(tmp_path):
 def test_odd_names_make_safe_file_names(tmp_path):
     (path,) = slot_files(tmp_path, "team/a b:c", 1)
     assert path.parent == tmp_path and "/" not in path.name and " " not in path.name
+
+
+def test_prefects_error_for_a_timed_out_slot_wait_is_dropped_and_other_errors_are_kept(caplog):
+    import logging
+
+    from tasks.slots import quiet_expected_timeouts
+
+    quiet_expected_timeouts()
+    quiet_expected_timeouts()  # idempotent: one filter
+    logger = logging.getLogger("prefect._internal.concurrency")
+    assert len([f for f in logger.filters if type(f).__name__ == "_ExpectedTimeouts"]) == 1
+    with caplog.at_level(logging.ERROR, logger="prefect._internal.concurrency"):
+        logger.error("Service %r failed to process item %r", "ConcurrencySlotAcquisitionWithLeaseService",
+                     (1, "concurrency", 30.0, "<Future at 0x1 state=finished raised TimeoutError>"))
+        logger.error("Service %r failed to process item %r", "ConcurrencySlotAcquisitionWithLeaseService",
+                     (1, "concurrency", 30.0, "<Future at 0x1 state=finished raised HTTPStatusError>"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "Service 'ConcurrencySlotAcquisitionWithLeaseService' failed to process item (1, 'concurrency', 30.0, "
+        "'<Future at 0x1 state=finished raised HTTPStatusError>')"]
