@@ -15,14 +15,51 @@ from memfit.runtime.signal_relay import SignalRelay
 log = logging.getLogger("memfit.runtime.preemption")
 
 
-class StopFlag(threading.Event):
-    """An Event that also records why and when it was first set (a signal name, a spot notice)."""
+class SignalFlag(threading.Event):
+    """An Event a signal handler can set without a lock: `note()` flips a plain attribute, which is_set and wait read
+    (the loop sees it at its very next check); the relay thread then wakes the waiters (wake, or set)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._noted = False
+
+    def note(self) -> None:
+        self._noted = True
+
+    def wake(self) -> None:
+        """Off the handler's thread: wake the waiters of a noted flag (its state stays as note() left it)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def is_set(self) -> bool:
+        return self._noted or super().is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._noted:
+            return True
+        super().wait(timeout)  # ends at set(), wake() or the timeout
+        return self.is_set()
+
+    def clear(self) -> None:
+        self._noted = False
+        super().clear()
+
+
+class StopFlag(SignalFlag):
+    """A flag that also records why and when it was first set (a signal name, a spot notice)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reason: str | None = None
         self.requested_at: float | None = None  # time.monotonic() of the first request
         self._reason_lock = threading.Lock()
+
+    def note_signal(self, reason: str) -> None:
+        """From a signal handler: plain attribute writes only (a thread's request() racing it can at worst give
+        its own reason)."""
+        if self.reason is None:
+            self.reason, self.requested_at = reason, time.monotonic()
+        self.note()
 
     def request(self, reason: str) -> None:
         with self._reason_lock:
@@ -56,7 +93,8 @@ def stop_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) 
         if signum == signal.SIGINT and (arrived or stop.is_set()):
             raise KeyboardInterrupt
         arrived.append(signum)
-        relay.notify(signum)
+        stop.note_signal(signal.Signals(signum).name)  # seen by the loop's next check, as it always was
+        relay.notify(signum)  # the log line and the waiters' wake-up, off this thread
 
     relay: SignalRelay | None = None
     if threading.current_thread() is threading.main_thread():
@@ -79,11 +117,16 @@ def save_on_signal(sig: int = signal.SIGUSR1) -> Iterator[threading.Event]:
     """Yield an Event set by `sig`: a request for an extra training checkpoint (a rank's rebalance notice). Set
     through a relay thread too: a second signal landing inside the first handler's Event.set would wait on the
     Event's own lock for ever."""
-    requested = threading.Event()
+    requested = SignalFlag()
     previous, relay = None, None
+
+    def handler(signum: int, frame: Any) -> None:
+        requested.note()
+        relay.notify(signum)
+
     if threading.current_thread() is threading.main_thread():
-        relay = SignalRelay(lambda signum: requested.set(), name="memfit-save-relay")
-        previous = signal.signal(sig, lambda signum, frame: relay.notify(signum))
+        relay = SignalRelay(lambda signum: requested.wake(), name="memfit-save-relay")
+        previous = signal.signal(sig, handler)
     try:
         yield requested
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 import threading
 from collections.abc import Callable
@@ -24,7 +25,10 @@ class SignalRelay:
         self._on_signal = on_signal
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # In the context of the code that installed it: a Prefect flow run's logs carry its flow run id only there
+        # (without, the line never reached the Prefect UI and Prefect warned "without a flow run id").
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._run,), name=name, daemon=True)
         self._thread.start()
 
     def notify(self, signum: int) -> None:

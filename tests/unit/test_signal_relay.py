@@ -76,6 +76,26 @@ def test_sigterm_while_the_main_thread_logs_sets_the_flag_and_is_said_by_the_rel
     assert thread != threading.main_thread().name and message.startswith("received SIGTERM: finishing")
 
 
+def test_the_flag_is_set_before_the_relay_runs_so_the_loop_stops_at_the_step_it_was_in(locked_log):
+    # The relay is stuck behind the log lock (held here), yet the loop's next check already sees the stop.
+    with stop_on_signals() as stop, locked_log.held:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:  # bytecodes: the handler runs here
+            pass
+        assert stop.is_set() and stop.wait(0) and stop.reason == "SIGTERM"
+        assert locked_log.records == []  # not said yet: the relay waits for the lock, not this thread
+
+
+def test_a_save_request_cleared_after_its_save_stays_clear():
+    with save_on_signal(signal.SIGUSR1) as requested:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert requested.wait(5)
+        requested.clear()  # the loop saved
+        time.sleep(0.2)  # the relay has woken any waiter by now; it must not set the flag again
+        assert not requested.is_set() and not requested.wait(0.1)
+
+
 def test_two_sigterms_at_once_set_the_flag_once(locked_log):
     with stop_on_signals() as stop:
         _signal_while_holding(locked_log.held, signal.SIGTERM, times=2)
@@ -146,3 +166,19 @@ def test_a_relay_callback_that_fails_does_not_end_the_relay():
     relay.notify(signal.SIGINT)
     relay.close()
     assert got == [-signal.SIGTERM, signal.SIGINT]
+
+
+def test_the_relay_runs_in_the_context_it_was_made_in():
+    # Prefect's flow run context is a contextvar: the relay's log line carries the flow run id only inside it.
+    import contextvars
+
+    var = contextvars.ContextVar("flow_run", default=None)
+    seen: list[object] = []
+    token = var.set("run-1")
+    try:
+        relay = SignalRelay(lambda signum: seen.append(var.get()))
+    finally:
+        var.reset(token)
+    relay.notify(signal.SIGTERM)
+    relay.close()
+    assert seen == ["run-1"]
