@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,12 +52,34 @@ def cluster(tmp_path_factory, prefect_home_template, moto_server):
                    "env": machine_env(moto_server, api), "endpoint": moto_server}
 
 
-@pytest.fixture(scope="session")
-def reference_weights(cluster) -> bytes:
-    """The run uninterrupted, by `memfit run` in the default mode: the weights every recovery must equal (the run's
-    name and stores do not enter the numerics, so one reference serves every test here)."""
-    import subprocess
+class ReferenceRun:
+    """The run uninterrupted, started in the background: called, it waits for the run and gives its weights."""
 
+    def __init__(self, args: list[str], env: dict[str, str], folder: Path) -> None:
+        self.folder, self._weights = folder, None
+        self._log = open(folder / "reference.log", "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(args, env=env, cwd=folder, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def __call__(self) -> bytes:
+        if self._weights is None:
+            code = self.proc.wait(600)
+            assert code == 0, (self.folder / "reference.log").read_text(errors="replace")[-3000:]
+            self._weights = next(self.folder.glob("runs/**/export/hf/model.safetensors")).read_bytes()
+        return self._weights
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def reference_weights(cluster):
+    """The run uninterrupted, by `memfit run` in the default mode: the weights every recovery must equal (the run's
+    name and stores do not enter the numerics, so one reference serves every test here). Started in the background
+    when the first test asks for it, and waited for when a test first compares (`reference_weights()`): its minute
+    of CPU overlaps that test's wait for the silence window, when this worker is otherwise idle."""
     import kill_support as ks
     from recovery_support import BIN, TINY, overrides
 
@@ -64,7 +87,6 @@ def reference_weights(cluster) -> bytes:
     folder.mkdir()
     env = {**ks.cli_env(cluster["endpoint"], folder / "prefect-home")}
     sets = overrides("reference", f"s3://{cluster['bucket']}/reference", f"sqlite:///{folder / 'mlflow.db'}")
-    done = subprocess.run([str(BIN / "memfit"), "run", TINY, *sets, "--json"], env=env, cwd=folder,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return next(folder.glob("runs/**/export/hf/model.safetensors")).read_bytes()
+    run = ReferenceRun([str(BIN / "memfit"), "run", TINY, *sets, "--json"], env, folder)
+    yield run
+    run.close()

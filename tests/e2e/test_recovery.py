@@ -82,7 +82,7 @@ def test_a_vanished_machine_is_detected_restarted_elsewhere_and_finishes(cluster
     # Detected within the silence window and a few evaluation rounds of the server's trigger service.
     assert crashed_after < 50 + 45, crashed_after
     assert b.weights() is not None and a.weights() is None, context()
-    assert b.weights().read_bytes() == reference_weights, "recovered weights differ"
+    assert b.weights().read_bytes() == reference_weights(), "recovered weights differ"
     client = MlflowClient(cluster["tracking"])
     exp = client.get_experiment_by_name("recovery-e2e")
     runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{run}'")
@@ -113,7 +113,7 @@ def test_three_preemptions_three_restarts_then_completion(cluster, reference_wei
     assert final.state.is_completed(), final.state
     assert names == ["thrice", "thrice-attempt-2", "thrice-attempt-3", "thrice-attempt-4"], names
     weights = next((cluster["root"] / "thrice-3").glob("runs/**/export/hf/model.safetensors"))
-    assert weights.read_bytes() == reference_weights
+    assert weights.read_bytes() == reference_weights()
     client = MlflowClient(cluster["tracking"])
     exp = client.get_experiment_by_name("recovery-e2e")
     (mrun,) = client.search_runs([exp.experiment_id], filter_string="attributes.run_name = 'thrice'")
@@ -192,7 +192,7 @@ def test_a_runner_shutdown_cancel_is_restarted_and_a_noticed_machine_claims_noth
             m.stop()
         imds.close()
     assert str(third.id) not in b.tail(200_000) and c.weights() is not None and b.weights() is None, context()
-    assert c.weights().read_bytes() == reference_weights
+    assert c.weights().read_bytes() == reference_weights()
     assert re.search(r"spot interruption notice.*draining", b.tail(200_000)), b.tail()
     assert "attempted to send logs to the API" not in b.tail(200_000)
     assert [n for n in names if not n.endswith("-duplicate")] == [run, f"{run}-attempt-2", f"{run}-attempt-3"], names
@@ -303,7 +303,7 @@ def test_a_vanished_worker_machine_is_restarted_on_the_other_worker(cluster, ref
     assert second.state.is_completed(), (second.state, context())
     assert second.name == f"{run}-attempt-2" and second.parameters == first.parameters
     assert b.weights() is not None and a.weights() is None, context()
-    assert b.weights().read_bytes() == reference_weights, "recovered weights differ"
+    assert b.weights().read_bytes() == reference_weights(), "recovered weights differ"
     client = MlflowClient(cluster["tracking"])
     exp = client.get_experiment_by_name("recovery-e2e")
     runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{run}'")

@@ -20,4 +20,4 @@ def test_three_preemptions_complete_every_round(cluster, reference_weights, roun
     assert final.state.is_completed(), final.state
     assert names == [run, f"{run}-attempt-2", f"{run}-attempt-3", f"{run}-attempt-4"], names
     weights = next((cluster["root"] / f"{run}-3").glob("runs/**/export/hf/model.safetensors"))
-    assert weights.read_bytes() == reference_weights
+    assert weights.read_bytes() == reference_weights()
