@@ -148,10 +148,11 @@ def test_a_runner_shutdown_cancel_is_restarted_and_a_noticed_machine_claims_noth
 
     run, s3, bucket, root = "drain", cluster["s3"], cluster["bucket"], cluster["root"]
     imds = FakeMetadata()  # B's metadata service; A and C have none (the spot watcher is off there)
-    spot = ["checkpoint.spot.poll_seconds=0.5"]
+    # A training checkpoint every 10 steps: B shows it trains after 20 s of its slow steps (40 s at the suite's 20)
+    spot = ["checkpoint.spot.poll_seconds=0.5", "checkpoint.every_steps=10"]
     a = Machine(root, "drain-a", {**cluster["env"], "MEMFIT_TEST_STEP_DELAY": "0.5"})  # 160 steps: 80 s at least
     b = Machine(root, "drain-b", {**cluster["env"], "MEMFIT_SPOT_WATCHER": "true", "MEMFIT_TEST_STEP_DELAY": "2",
-                                  "MEMFIT_SPOT_METADATA_URL": imds.url})  # from step 20: 280 s at least
+                                  "MEMFIT_SPOT_METADATA_URL": imds.url})  # from step 10: 300 s at least
     c = Machine(root, "drain-c", cluster["env"])
     context = lambda: "\n".join(f"--- {m.dir.name} ---\n{m.tail()}" for m in (a, b, c))  # noqa: E731
     serving = "polling for scheduled runs"
