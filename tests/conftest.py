@@ -132,7 +132,7 @@ TIMED_FILES = frozenset({
 # pytest-xdist orders it (most tests first): the short files fill in at the end and both workers finish together. In
 # xdist's own order (by test count) the few-test, minutes-long files came last: one worker ran on alone for up
 # to a minute (measured 2026-12-02: 855 s against 913 s). Their seconds on 2 workers, 2026-12-02, for order only.
-LONGEST_FIRST = ("tests/e2e/test_recovery.py",  # ≈ 700 s: machines killed and restarted by Prefect automations
+LONGEST_FIRST = ("tests/e2e/test_recovery.py",  # ≈ 580 s: machines killed and restarted by Prefect automations
                  "timed",  # ≈ 390 s: the kill trials, default-mode resume and signals, spot chain, CLI bounds
                  "tests/e2e/test_readme_commands.py",  # ≈ 500 s
                  "tests/integration/test_onnx_parity.py",  # ≈ 150 s
