@@ -75,14 +75,14 @@ class StopFlag(SignalFlag):
 def stop_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[StopFlag]:
     """Yield a StopFlag set by the first SIGTERM/SIGINT; a second SIGINT interrupts as usual.
 
-    The handler only hands the signal to a relay thread (signal_relay.py: a handler that logged could wait forever
-    on a lock the interrupted main thread held), which says so and sets the flag a moment later. Handlers can only
+    The handler notes the stop (a plain attribute: the loop's next check sees it) and hands the rest to a relay
+    thread (signal_relay.py: a handler that logged could wait forever on a lock the interrupted main thread held),
+    which says so and wakes the flag's waiters. Handlers can only
     be installed from the main thread; elsewhere the flag still works for callers (the spot watcher, a test) but
     signals keep their default action, and a warning says so.
     """
     stop = StopFlag()
     previous: dict[int, Any] = {}
-    arrived: list[int] = []  # appended by the handler alone (main thread): no lock needed
 
     def relayed(signum: int) -> None:
         name = signal.Signals(signum).name
@@ -90,9 +90,8 @@ def stop_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) 
         stop.request(name)
 
     def handler(signum: int, frame: Any) -> None:
-        if signum == signal.SIGINT and (arrived or stop.is_set()):
+        if signum == signal.SIGINT and stop.is_set():
             raise KeyboardInterrupt
-        arrived.append(signum)
         stop.note_signal(signal.Signals(signum).name)  # seen by the loop's next check, as it always was
         relay.notify(signum)  # the log line and the waiters' wake-up, off this thread
 

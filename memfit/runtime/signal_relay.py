@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -31,6 +32,12 @@ class SignalRelay:
         self._thread = threading.Thread(target=context.run, args=(self._run,), name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def write_fd(self) -> int:
+        """The pipe's non-blocking write end, also fit for signal.set_wakeup_fd (the interpreter writes each
+        signal's number there, as notify does)."""
+        return self._w
+
     def notify(self, signum: int) -> None:
         """Called from a signal handler: one write, no lock, never blocks."""
         try:
@@ -44,17 +51,15 @@ class SignalRelay:
                 data = os.read(self._r, 64)
             except OSError:
                 return
+            if not data:
+                return
             for signum in data:
                 if signum == _STOP:
                     return
                 try:
                     self._on_signal(signum)
                 except Exception:  # noqa: BLE001 - a failing callback must not end the relay for later signals
-                    import logging
-
                     logging.getLogger("memfit.runtime.signal_relay").exception("signal %d not relayed", signum)
-            if not data:
-                return
 
     def close(self, timeout: float = 5.0) -> None:
         """Relay what came before, then end the thread and close the pipe."""

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from memfit.errors import MemfitError
+from memfit.runtime.signal_relay import SignalRelay
 
 log = logging.getLogger("memfit.runtime.termination")
 EXIT_PREEMPTED = 75  # the documented code: run the same command again to resume
@@ -45,8 +46,7 @@ class ExitGuard:
         self.received_at: float | None = None
         self._armed = threading.Lock()
         self._timer: threading.Thread | None = None
-        self._wakeup_r: int | None = None
-        self._wakeup_w: int | None = None
+        self._relay: SignalRelay | None = None  # the wakeup fd's reader: arms the deadline off the handler
         self._announced = False
         self._calls = 0
 
@@ -57,30 +57,18 @@ class ExitGuard:
             return self
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handler)
-        r, w = os.pipe()
-        os.set_blocking(w, False)
+        relay = SignalRelay(self._on_wakeup, name="memfit-exit-guard")
         try:
-            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            signal.set_wakeup_fd(relay.write_fd, warn_on_full_buffer=False)
         except ValueError:  # not the main thread of the main interpreter
-            os.close(r)
-            os.close(w)
+            relay.close()
             return self
-        self._wakeup_r, self._wakeup_w = r, w
-        threading.Thread(target=self._watch_wakeups, name="memfit-exit-guard", daemon=True).start()
+        self._relay = relay
         return self
 
-    def _watch_wakeups(self) -> None:
-        assert self._wakeup_r is not None
-        while True:
-            try:
-                data = os.read(self._wakeup_r, 64)
-            except OSError:
-                return
-            if not data:
-                return
-            for signum in data:
-                if signum in (signal.SIGTERM, signal.SIGINT):
-                    self.arm(signal.Signals(signum).name)
+    def _on_wakeup(self, signum: int) -> None:
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            self.arm(signal.Signals(signum).name)
 
     def _handler(self, signum: int, frame: Any) -> None:
         # No lock and no log line here: the interrupted main thread may hold the lock either would wait for (a log
@@ -90,11 +78,8 @@ class ExitGuard:
         name = signal.Signals(signum).name
         if self.signal_name is None:
             self.signal_name, self.received_at = name, time.monotonic()
-        if self._wakeup_w is not None:
-            try:
-                os.write(self._wakeup_w, bytes([signum]))
-            except OSError:
-                pass
+        if self._relay is not None:
+            self._relay.notify(signum)
         # Prefect's handler re-sends the signal to this one once it has recorded the crash: that is the first
         # time this handler runs, not a second signal. A second call is a second signal: leave at once.
         self._calls += 1

@@ -66,7 +66,7 @@ def test_steps_after_the_first_take_no_page_faults(tmp_path, monkeypatch):
     """The same fit twice in this process: first under glibc's default thresholds (set explicitly: an earlier test
     in this worker may have left memfit's), then under memfit's loop. Compared in one process, because a worker that
     has run many tests takes some faults a step whatever the heap policy (Python's own arenas come and go: medians
-    of 17-128 seen in a full run, 0-1 alone), while the defaults cost hundreds."""
+    of 17-128 seen in a full run, 0-1 alone), while the defaults cost thousands."""
     from memfit.training import loop
 
     libc = _glibc()

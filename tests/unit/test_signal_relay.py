@@ -97,11 +97,12 @@ def test_a_save_request_cleared_after_its_save_stays_clear():
 
 
 def test_two_sigterms_at_once_set_the_flag_once(locked_log):
+    before = signal.getsignal(signal.SIGTERM)
     with stop_on_signals() as stop:
         _signal_while_holding(locked_log.held, signal.SIGTERM, times=2)
         assert stop.wait(5) and stop.reason == "SIGTERM"
     assert locked_log.blocked_on_main == 0
-    assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is back
+    assert signal.getsignal(signal.SIGTERM) is before  # the previous handler is back
     assert not [t for t in threading.enumerate() if t.name == "memfit-stop-relay"], "relay thread left running"
 
 
@@ -123,19 +124,16 @@ def test_a_save_request_signal_is_relayed():
 def test_the_exit_guards_handler_takes_no_lock_and_the_watcher_says_it(locked_log):
     guard = ExitGuard(grace_s=30)
     guard._deadline = lambda: None  # the grace timer would end this test process
-    r, w = os.pipe()
-    guard._wakeup_w = w
-    try:
-        with locked_log.held, pytest.raises(Interrupted, match="stopped by SIGTERM"):
-            guard._handler(signal.SIGTERM, None)  # as the interpreter runs it, mid-record
-        assert locked_log.blocked_on_main == 0 and locked_log.records == []
-        assert guard.signal_name == "SIGTERM" and os.read(r, 8) == bytes([signal.SIGTERM])  # for the watcher
-        guard.arm("SIGTERM")  # what the watcher thread does with that byte
-        assert [m for _, m in locked_log.records] == [
-            "received SIGTERM: stopping; the process exits 75 within 30 s (checkpoint.grace_seconds)"]
-    finally:
-        os.close(r)
-        os.close(w)
+    relayed: list[int] = []
+    guard._relay = SignalRelay(relayed.append)  # what install() sets up on the wakeup fd
+    with locked_log.held, pytest.raises(Interrupted, match="stopped by SIGTERM"):
+        guard._handler(signal.SIGTERM, None)  # as the interpreter runs it, mid-record
+    assert locked_log.blocked_on_main == 0 and locked_log.records == []
+    guard._relay.close()
+    assert guard.signal_name == "SIGTERM" and relayed == [signal.SIGTERM]  # handed to the watcher
+    guard._on_wakeup(signal.SIGTERM)  # what the watcher thread does with it
+    assert [m for _, m in locked_log.records] == [
+        "received SIGTERM: stopping; the process exits 75 within 30 s (checkpoint.grace_seconds)"]
 
 
 def test_the_draining_runners_notice_logs_nothing_in_the_handler():
