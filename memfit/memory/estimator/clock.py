@@ -59,14 +59,20 @@ def op_cost_model(profile: DeviceProfile) -> Callable[[Any, tuple, dict, Any], f
     flop_rate = profile.matmul_efficiency
     byte_rate = profile.bandwidth * profile.bandwidth_efficiency
 
+    kinds: dict[Any, tuple[str, Any] | None] = {}  # per op: None (no kernel), or its name and FLOP formula
+
     def op_seconds(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
-        name = str(func)
-        if getattr(func, "is_view", False) or name in NO_KERNEL or name.startswith(NO_KERNEL_NAMESPACES):
+        if func not in kinds:  # what an op is does not change from call to call: worked out once a trace
+            name = str(func)
+            no_kernel = getattr(func, "is_view", False) or name in NO_KERNEL or name.startswith(NO_KERNEL_NAMESPACES)
+            kinds[func] = None if no_kernel else (name, flop_registry.get(func.overloadpacket))
+        kind = kinds[func]
+        if kind is None:
             return 0.0
+        name, formula = kind
         flops = attention_flops(name, args, kwargs)
         if flops is None:
             flops = 0
-            formula = flop_registry.get(func.overloadpacket)
             if formula is not None:
                 try:
                     flops = formula(*args, **kwargs, out_val=out)
