@@ -45,7 +45,7 @@ def estimate(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = 
 def _max_seq(config: Any, set_: Any, device: str | None, budget_gb: float | None, as_json: bool) -> None:
     try:
         with collector_paused(freeze=PROCESS.own):
-            from memfit.memory.planner.search import max_seq_report
+            from memfit.memory.planner.max_seq import max_seq_report
 
         out = max_seq_report(load(config, set_), device, budget_gb)
     except MemfitError as err:

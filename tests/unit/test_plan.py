@@ -198,7 +198,7 @@ CURVES = {"linear": (lambda s: 100_000 * s, 4), "quadratic": (lambda s: 20_000 *
 
 @pytest.mark.parametrize("shape", CURVES)
 def test_max_seq_search_finds_the_longest_length_that_fits(shape):
-    from memfit.memory.planner.search import longest_seq_len
+    from memfit.memory.planner.max_seq import longest_seq_len
 
     curve, most_calls = CURVES[shape]
     fake = _CurveEstimator(GB, curve)
@@ -292,7 +292,7 @@ def test_plan_table_shows_loss_and_optimizer():
 
 
 def test_max_seq_takes_the_leanest_per_token_stack_the_config_leaves_open():
-    from memfit.memory.planner.search import longest_context_stack
+    from memfit.memory.planner.max_seq import longest_context_stack
 
     planned = est(["none"] * 6 + ["full"] * 2)
     cuda, cpu = get_profile("t4", "x"), PROFILES["cpu"]
