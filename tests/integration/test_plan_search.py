@@ -12,7 +12,7 @@ import pytest
 from memfit import config
 from memfit.config.devices import get_profile
 from memfit.memory.planner import search
-from memfit.memory.planner.plan import assignments
+from memfit.memory.planner.plan import assignments, plan_table_markdown
 
 pytestmark = pytest.mark.integration  # ~50 fake-tensor traces of a tiny model
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
@@ -86,4 +86,6 @@ def test_a_stack_that_does_not_fit_fully_checkpointed_gets_no_selective_trace(
     assert fast.fits and (fast.chosen.stack, fast.chosen.kinds) == (slow.chosen.stack, slow.chosen.kinds)
     assert fast.chosen.stack.micro_batch_size < 8 and fast.reason == slow.reason
     assert selective_at_8 == [] and traced < exhaustive
+    assert fast.no_selective_stacks >= 1 and slow.no_selective_stacks == 0
+    assert f"{fast.no_selective_stacks} stack(s) without a selective row" in plan_table_markdown(fast)
     assert any(k[3:6] == ("selective", 8, 1) for k in est._traces)  # the exhaustive search traced it

@@ -105,6 +105,7 @@ class Plan:
     error: str | None = None
     measured: Sequence[MeasuredPeak] = ()
     settled_stacks: int = 0  # stacks estimated without checkpointing only (settled())
+    no_selective_stacks: int = 0  # stacks whose selective forms were not traced: every block full does not fit
 
     def excluded(self, e: Estimate) -> str | None:
         """Why a measured peak rules `e` out (memory.limits), or None."""
@@ -134,7 +135,7 @@ class Plan:
         head = self.row(self.chosen) if self.chosen is not None else {}
         head.update({"fits": self.fits, "budget_bytes": self.budget_bytes, "limit_bytes": self.limit_bytes,
                      "budget_source": self.budget_source, "reason": self.reason, "error": self.error,
-                     "settled_stacks": self.settled_stacks,
+                     "settled_stacks": self.settled_stacks, "no_selective_stacks": self.no_selective_stacks,
                      "alternatives": [self.row(e) for e in self.table if e is not self.chosen]})
         return head
 
@@ -262,6 +263,9 @@ def plan_table_markdown(plan: Plan) -> str:
     if plan.settled_stacks:
         rows.append(f"\n{plan.settled_stacks} stack(s) estimated without checkpointing only: each was already "
                     "slower than a stack that fits, or fitted as it was, so no recompute could make it the choice")
+    if plan.no_selective_stacks:
+        rows.append(f"\n{plan.no_selective_stacks} stack(s) without a selective row: not even every block fully "
+                    "checkpointed fits, and selective keeps more than full in every block")
     chosen = plan.chosen or (plan.table[0] if plan.table else None)
     if chosen is not None and "reference" in chosen.extra:  # train.objective dpo: the rows are pairs x 2
         rows.append(f"\ndpo: micro-batches of pairs (chosen + rejected: 2 rows each); reference counted: "

@@ -232,7 +232,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         plan = choose([baseline], budget, configured=configured, baseline=baseline,
                       safety_margin=margin, budget_source=source,
                       fixed_policy=fixed_policy, measured=measured)
-    plan.settled_stacks = cut
+    plan.settled_stacks, plan.no_selective_stacks = cut, spared
     log.info("memory planner: %d candidates over %d blocks in %.1f s (traces %.1f s; %d stacks settled without "
              "checkpointing, %d without selective: not even every block full fits)", len(seen), n,
              time.perf_counter() - t0, est.trace_seconds, cut, spared)
