@@ -11,7 +11,7 @@ from memfit.errors import ConfigError
 from memfit.memory.estimator.compose import Estimate, Stack
 from memfit.memory.estimator.estimate import Estimator, model_config_for
 from memfit.memory.planner.plan import fit_margin
-from memfit.memory.planner.search import _target, make_estimator, plan_for
+from memfit.memory.planner.search import make_estimator, plan_for, resolve_target
 
 
 def longest_context_stack(cfg: Any, profile: DeviceProfile, planned: Estimate, vocab_size: int
@@ -96,7 +96,7 @@ def max_seq_report(cfg: Any, device: str | None = None, budget_gb: float | None 
     from memfit.config import DataConfig
     from memfit.models.loading import model_max_positions
 
-    profile, budget, source = _target(cfg, device, budget_gb)
+    profile, budget, source = resolve_target(cfg, device, budget_gb)
     if budget is None:
         raise ConfigError("--max-seq needs a memory budget: set --device, --budget-gb or memory.budget_gb")
     hf_config = model_config_for(cfg)

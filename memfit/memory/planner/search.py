@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -194,7 +195,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         return choose([baseline], budget, configured=configured, baseline=baseline,
                       safety_margin=margin, budget_source=source, fixed_policy=fixed_policy)
     seen: list[Estimate] = []
-    cut = spared = 0  # stacks settled without tracing their checkpointed forms; stacks left without selective
+    counts: Counter[str] = Counter()  # stacks settled without their checkpointed forms; left without selective
     plan: Plan | None = None
     last: int | None = None  # the index of the last tier to search, once one fits
     for i, tier in enumerate(tiers):
@@ -209,7 +210,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
                 continue  # none of this tier's stacks can fit: not one step traced
         top = ordered[0].micro_batch_size
         firsts = [s for s in ordered if s.micro_batch_size == top]
-        cut, spared = _add(_estimate_stacks(est, firsts, every, seen, limit, configured, measured), cut, spared)
+        counts += _estimate_stacks(est, firsts, every, seen, limit, configured, measured)
         plan = choose(seen, budget, configured=configured, baseline=baseline,
                       safety_margin=margin, budget_source=source,
                       fixed_policy=fixed_policy, measured=measured)
@@ -217,8 +218,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         # they matter only when the largest micro-batch needs recompute (or does not fit at all).
         if plan.fits and plan.chosen is not None and set(plan.chosen.kinds) == {"none"}:
             break
-        cut, spared = _add(_estimate_stacks(est, ordered[len(firsts):], every, seen, limit, configured, measured),
-                           cut, spared)
+        counts += _estimate_stacks(est, ordered[len(firsts):], every, seen, limit, configured, measured)
         plan = choose(seen, budget, configured=configured, baseline=baseline,
                       safety_margin=margin, budget_source=source,
                       fixed_policy=fixed_policy, measured=measured)
@@ -232,16 +232,16 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         plan = choose([baseline], budget, configured=configured, baseline=baseline,
                       safety_margin=margin, budget_source=source,
                       fixed_policy=fixed_policy, measured=measured)
-    plan.settled_stacks, plan.no_selective_stacks = cut, spared
+    plan.settled_stacks, plan.no_selective_stacks = counts["settled"], counts["no_selective"]
     log.info("memory planner: %d candidates over %d blocks in %.1f s (traces %.1f s; %d stacks settled without "
              "checkpointing, %d without selective: not even every block full fits)", len(seen), n,
-             time.perf_counter() - t0, est.trace_seconds, cut, spared)
+             time.perf_counter() - t0, est.trace_seconds, plan.settled_stacks, plan.no_selective_stacks)
     return plan
 
 
 def _estimate_stacks(est: Estimator, stacks: Sequence[Stack], every: Sequence[tuple[str, ...]],
                      seen: list[Estimate], limit: float | None, configured: Stack,
-                     measured: Sequence[MeasuredPeak]) -> tuple[int, int]:
+                     measured: Sequence[MeasuredPeak]) -> Counter[str]:
     """Estimate `stacks` under every assignment into `seen`, each stack first without checkpointing (its fastest
     form): where that settles it (plan.settled) its checkpointed forms are not traced. The fastest go first, so
     they settle the most. Then the forms without selective; the selective ones only where they may fit
@@ -249,35 +249,29 @@ def _estimate_stacks(est: Estimator, stacks: Sequence[Stack], every: Sequence[tu
     none = ("none",) * est.n_blocks
     if len(every) < 2 or every[0] != none:
         seen += [est.estimate(s, k) for s in stacks for k in every]
-        return 0, 0
+        return Counter()
     firsts = sorted((est.estimate(s, none) for s in stacks), key=lambda e: e.step_seconds)
     seen += firsts
-    cut = spared = 0
+    counts: Counter[str] = Counter()
     for first in firsts:
         if settled(first, seen, None if limit is None else int(limit), configured, measured):
-            cut += 1
+            counts["settled"] += 1
             continue
         forms = {k: est.estimate(first.stack, k) for k in every[1:] if "selective" not in k}
-        if selective_may_fit(list(forms.values()), limit):
+        if selective_may_fit(forms.get(("full",) * est.n_blocks), limit):
             forms.update((k, est.estimate(first.stack, k)) for k in every[1:] if "selective" in k)
         else:
-            spared += 1
+            counts["no_selective"] += 1
         seen += [forms[k] for k in every[1:] if k in forms]  # in the assignments' order, as the table lists them
-    return cut, spared
+    return counts
 
 
-def _add(counts: tuple[int, int], cut: int, spared: int) -> tuple[int, int]:
-    return cut + counts[0], spared + counts[1]
-
-
-def selective_may_fit(forms: Sequence[Estimate], limit: float | None) -> bool:
-    """Pure: whether a stack's selective mixes can fit, given its forms without selective (its no-checkpointing
-    and full-checkpointing mixes). A selective block keeps what a full one keeps and more (the outputs it saves)
-    and recomputes the rest, so each selective mix peaks at least where the same mix with those blocks full does:
-    when not even every block full fits, no selective mix does, and its traces (one a micro-batch traced) are
-    spared."""
-    full = next((f for f in forms if set(f.kinds) == {"full"}), None)
-    return limit is None or full is None or full.peak_bytes <= limit
+def selective_may_fit(all_full: Estimate | None, limit: float | None) -> bool:
+    """Pure: whether a stack's selective mixes can fit, given its estimate with every block full (None: not among
+    the assignments). A selective block keeps what a full one keeps and more (the outputs it saves) and recomputes
+    the rest, so each selective mix peaks at least where the same mix with those blocks full does: when not even
+    every block full fits, no selective mix does, and its traces (one a micro-batch traced) are spared."""
+    return limit is None or all_full is None or all_full.peak_bytes <= limit
 
 
 def _floor(est: Estimator, stack: Stack) -> int:
@@ -290,7 +284,7 @@ def n_blocks_for(cfg: Any, hf_config: Any | None = None) -> int:
 
 
 # -- what `memfit estimate` and `memfit plan` print -----------------------------------------------------------
-def _target(cfg: Any, device: str | None, budget_gb: float | None) -> tuple[DeviceProfile, int | None, str]:
+def resolve_target(cfg: Any, device: str | None, budget_gb: float | None) -> tuple[DeviceProfile, int | None, str]:
     report = None if (device or cfg.memory.device) else local_device_report(cfg.train.device)
     profile = target_profile(cfg.memory, report, device)
     budget, source = resolve_budget(cfg.memory, profile, report, budget_gb, device_named=bool(device))
@@ -303,7 +297,7 @@ def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None
     t0 = time.perf_counter()
     if policy is not None:
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"policy": policy})})
-    profile, budget, source = _target(cfg, device, budget_gb)
+    profile, budget, source = resolve_target(cfg, device, budget_gb)
     est = make_estimator(cfg, profile)
     if cfg.memory.policy == "auto":
         plan = plan_for(cfg, profile, budget, source, estimator=est)
@@ -334,7 +328,7 @@ def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None
 
 def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = None,
                 measured: Sequence[MeasuredPeak] = ()) -> tuple[Plan, dict[str, Any]]:
-    profile, budget, source = _target(cfg, device, budget_gb)
+    profile, budget, source = resolve_target(cfg, device, budget_gb)
     plan = plan_for(cfg, profile, budget, source, measured=measured)
     out = plan.to_dict()
     out["device"] = profile.name
