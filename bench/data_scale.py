@@ -92,7 +92,7 @@ def tokenizer_dir(out: Path, corpus: Path) -> Path:
 
 
 MEMFIT = """
-import sys, time
+import resource, sys, time
 from transformers import AutoTokenizer
 from memfit import config
 from memfit.data.cache import cached_data
@@ -102,10 +102,13 @@ tok = AutoTokenizer.from_pretrained(tok_dir)
 chat = ["data.train_on=assistant", "data.packing=padding_free"] if fmt == "messages" else []
 cfg = config.load(None, [f"data.path={corpus}", f"run.work_dir={work}", "data.seq_len=512",
                          f"data.num_proc={num_proc}", *chat])
-t0 = time.perf_counter()
+t0, cpu0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
 source = DataSource(cfg.data, cfg.run.work_dir)
 bundle = cached_data(cfg, source, None, tok)
-print("ROWS", len(bundle.train) + len(bundle.val), "SECONDS", time.perf_counter() - t0)
+cpu = resource.getrusage(resource.RUSAGE_SELF)
+# this process's own CPU (the workers' is not in it): the serial part, which bounds the gain from more cores
+parent = cpu.ru_utime + cpu.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+print("ROWS", len(bundle.train) + len(bundle.val), "SECONDS", time.perf_counter() - t0, "PARENT_CPU", parent)
 """
 
 DATASETS = """
@@ -163,9 +166,12 @@ def measure(script: str, args: list[str]) -> dict[str, float]:
     if proc.returncode:
         raise SystemExit(f"bench failed ({proc.returncode}):\n{err[-3000:]}")
     fields = out.split()
-    return {"wall_s": round(wall, 1), "prepare_s": round(float(fields[fields.index("SECONDS") + 1]), 1),
-            "rows": int(fields[fields.index("ROWS") + 1]), "peak_rss_gb": round(peak / 1e9, 3),
-            "peak_pss_gb": round(peak_pss / 1e9, 3)}
+    row = {"wall_s": round(wall, 1), "prepare_s": round(float(fields[fields.index("SECONDS") + 1]), 1),
+           "rows": int(fields[fields.index("ROWS") + 1]), "peak_rss_gb": round(peak / 1e9, 3),
+           "peak_pss_gb": round(peak_pss / 1e9, 3)}
+    if "PARENT_CPU" in fields:
+        row["parent_cpu_s"] = round(float(fields[fields.index("PARENT_CPU") + 1]), 1)
+    return row
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -228,13 +234,13 @@ def main() -> None:
     previous.write_text(json.dumps(kept, indent=1) + "\n")
     plot(results, args.out / f"{stem}.png")
     print("| records | MB | blocks | memfit RSS / PSS GB | datasets RSS / PSS GB | RSS ratio | memfit s | datasets s "
-          "| time ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| time ratio | memfit parent CPU s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         m, d = r["memfit"], r["datasets"]
         print(f"| {r['records']:,} | {r['mb']} | {m['rows']:,} | {m['peak_rss_gb']} / {m['peak_pss_gb']} | "
               f"{d['peak_rss_gb']} / {d['peak_pss_gb']} | {r['rss_ratio']} | {m['wall_s']} | {d['wall_s']} | "
-              f"{r['time_ratio']} |")
+              f"{r['time_ratio']} | {m.get('parent_cpu_s', '')} |")
 
 
 if __name__ == "__main__":

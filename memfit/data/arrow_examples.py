@@ -26,8 +26,7 @@ from memfit.data.workers import in_order
 from memfit.errors import DataError
 
 log = logging.getLogger("memfit.data")
-SLICE = 2048  # records a worker encodes at once
-Slice = tuple[str, list[dict[str, Any]], list[tuple[str, int]]]  # (format, examples, origins)
+SLICE = 2048  # records a worker reads and encodes at once
 
 
 @dataclass
@@ -37,12 +36,49 @@ class Scanned:
     examples: int
 
 
+@dataclass(frozen=True)
+class RawSlice:
+    """Up to SLICE records of one source as they lie in its Arrow file, for a worker to decode, check and normalise:
+    the parent only reads Arrow batches, so it is not the serial part of a many-core preparation."""
+
+    where: str  # the source file (or folder, dataset) the records are named by
+    fmt: str
+    data: DataConfig  # the reader settings for this source (a .txt file's text field is "text")
+    numbers: list[int]  # each record's number as an editor shows it
+    arrow: bytes | None = None  # the records as one Arrow IPC stream, decoded by `features`...
+    features: Any = None
+    rows: list[dict[str, Any]] | None = None  # ...or already decoded (datasets' own reads)
+
+    def examples(self) -> tuple[list[dict[str, Any]], list[tuple[str, int]]]:
+        """The records checked and normalised (formats.normalise) with their origins; blank texts dropped as
+        load_texts drops them."""
+        from memfit.data.formats import normalise
+
+        rows = self.rows if self.rows is not None else _decoded(self.arrow, self.features)
+        examples = normalise(rows, self.fmt, self.data, self.where, self.numbers)
+        origins = [(self.where, n) for n in self.numbers]
+        if self.fmt == "text":
+            keep = [i for i, e in enumerate(examples) if e["text"].strip()]
+            examples, origins = [examples[i] for i in keep], [origins[i] for i in keep]
+        return examples, origins
+
+
+def _decoded(arrow: bytes | None, features: Any) -> list[dict[str, Any]]:
+    import pyarrow as pa
+
+    batch = pa.ipc.open_stream(pa.py_buffer(arrow)).read_next_batch()
+    # decoded by the features as datasets' own to_list decodes them (a field of mixed JSON types is stored as JSON
+    # text: 3 must come back as 3, for the record checks to name it)
+    columns = features.decode_batch(batch.to_pydict())
+    return [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+
+
 def _slices(data: DataConfig, cache_dir: str, quiet: bool = False, tables: list[Any] | None = None
-            ) -> Iterator[Slice]:
-    """Every record checked and normalised (formats.normalise), SLICE at a time, in load_texts' order; blank texts
-    dropped as load_texts drops them. `tables` collects (where, rows) of each source read, for finding a record
-    again by its index."""
-    from memfit.data.formats import _tables, detect_format, normalise, record_lines
+            ) -> Iterator[RawSlice]:
+    """Every record of data.path, SLICE at a time, in load_texts' order, as read (RawSlice.examples checks and
+    normalises them). `tables` collects (where, rows) of each source read, for finding a record again by its
+    index."""
+    from memfit.data.formats import _tables, detect_format, record_lines
 
     seen: str | None = None
     for where, ds, suffix in _tables(data, cache_dir):
@@ -59,22 +95,20 @@ def _slices(data: DataConfig, cache_dir: str, quiet: bool = False, tables: list[
         if tables is not None:
             tables.append((where, ds))
         start = 0
-        for rows in _rows(ds):
-            slice_numbers = numbers[start:start + len(rows)].tolist()
-            examples = normalise(rows, fmt, cfg, where, slice_numbers)
-            origins = [(where, n) for n in slice_numbers]
-            start += len(rows)
-            if fmt == "text":
-                keep = [i for i, e in enumerate(examples) if e["text"].strip()]
-                examples, origins = [examples[i] for i in keep], [origins[i] for i in keep]
-            if examples:
-                yield fmt, examples, origins
+        for raw in _raw(ds):
+            n = raw.num_rows if not isinstance(raw, list) else len(raw)
+            slice_numbers = numbers[start:start + n].tolist()
+            start += n
+            if isinstance(raw, list):
+                yield RawSlice(where, fmt, cfg, slice_numbers, rows=raw)
+            else:
+                yield RawSlice(where, fmt, cfg, slice_numbers, arrow=_ipc(raw), features=ds.features)
 
 
-def _rows(ds: Any) -> Iterator[list[dict[str, Any]]]:
-    """The records as dicts, SLICE at most a list, in order. From datasets' Arrow files with plain reads where it
-    can: a memory map would leave every page it touched counted in this process's memory, which then grows with
-    the corpus (arrow_text reads its column the same way)."""
+def _raw(ds: Any) -> Iterator[Any]:
+    """The records SLICE at most at a time, in order: Arrow record batches read from datasets' Arrow files with
+    plain reads where it can (a memory map would leave every page it touched counted in this process's memory,
+    which then grows with the corpus; arrow_text reads its column the same way), else lists of dicts."""
     import pyarrow as pa
 
     files = [f["filename"] for f in ds.cache_files]
@@ -86,10 +120,17 @@ def _rows(ds: Any) -> Iterator[list[dict[str, Any]]]:
         with pa.OSFile(name) as src:
             for batch in pa.ipc.open_stream(src):
                 for start in range(0, batch.num_rows, SLICE):
-                    # decoded by the features as datasets' own to_list decodes them (a field of mixed JSON types
-                    # is stored as JSON text: 3 must come back as 3, for the record checks to name it)
-                    columns = ds.features.decode_batch(batch.slice(start, SLICE).to_pydict())
-                    yield [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+                    yield batch.slice(start, SLICE)
+
+
+def _ipc(batch: Any) -> bytes:
+    """A batch slice as Arrow IPC bytes: pickling a slice would carry its whole parent batch's buffers."""
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
 
 
 def _items(fmt: str, examples: list[dict[str, Any]]) -> list[str]:
@@ -97,20 +138,38 @@ def _items(fmt: str, examples: list[dict[str, Any]]) -> list[str]:
         json.dumps({"format": fmt, **e}, sort_keys=True) for e in examples]
 
 
-def scan_records(data: DataConfig, cache_dir: str) -> Scanned | None:
-    """Check every record and digest them (as formats.Corpus.digest does) a slice at a time; None for the
-    synthetic corpus (no data.path)."""
-    from memfit.data.formats import add_items
+def _digest_slice(raw: RawSlice) -> tuple[int, bytes]:
+    """(examples, what formats.add_items would feed the hash for them)."""
+    from memfit.data.formats import items_bytes
 
+    examples, _ = raw.examples()
+    return len(examples), items_bytes(_items(raw.fmt, examples))
+
+
+def scan_records(data: DataConfig, cache_dir: str, num_proc: int = 1) -> Scanned | None:
+    """Check every record and digest them (as formats.Corpus.digest does) a slice at a time, the slices read,
+    checked and rendered for the hash by num_proc workers and hashed here in order; None for the synthetic corpus
+    (no data.path)."""
     if data.path is None:
         return None
-    h, n, fmt = hashlib.sha256(), 0, "text"
-    for fmt, examples, _ in _slices(data, cache_dir):
-        add_items(h, _items(fmt, examples))
-        n += len(examples)
-    if n == 0:
+    h, n, fmt_seen = hashlib.sha256(), [0], []
+
+    def sink(result: tuple[int, bytes]) -> None:
+        h.update(result[1])
+        n[0] += result[0]
+
+    in_order(_digest_slice, _formats(_slices(data, cache_dir), fmt_seen), num_proc, sink)
+    if n[0] == 0:
         raise blank_data(Path(data.path))
-    return Scanned(h.hexdigest(), fmt, n)
+    return Scanned(h.hexdigest(), fmt_seen[0], n[0])
+
+
+def _formats(slices: Iterator[RawSlice], seen: list[str]) -> Iterator[RawSlice]:
+    """The slices, the first one's format noted in `seen` (a source holds one format)."""
+    for raw in slices:
+        if not seen:
+            seen.append(raw.fmt)
+        yield raw
 
 
 _TOKENIZER: Any = None
@@ -121,21 +180,22 @@ def _arr(values: Any, dtype: Any = np.int32) -> bytes:
     return np.asarray(values, dtype=dtype).tobytes()
 
 
-def _encode_slice(job: tuple[int, str, list[dict[str, Any]], list[tuple[str, int]]]) -> dict[str, Any]:
-    """One slice encoded as prepare_data encodes the whole: flat ids/labels and lengths per side, kept indices
-    (global), counts."""
+def _encode_slice(raw: RawSlice) -> dict[str, Any]:
+    """One slice read, checked and encoded as prepare_data encodes the whole: flat ids/labels and lengths per side,
+    kept indices (within the slice; the sink makes them global), counts."""
     from memfit.data.formats import Corpus
     from memfit.data.masking import encode_counted, fit_overlong
 
-    start, fmt, examples, origins = job
-    corpus, data = Corpus([], fmt, examples, origins), _DATA
+    examples, origins = raw.examples()
+    fmt, data = raw.fmt, _DATA
+    corpus = Corpus([], fmt, examples, origins)
     if fmt == "preference":
         from memfit.data.pairs import encode_sides
 
         chosen, rejected, index, counts = encode_sides(corpus, _TOKENIZER, data)
         sides, no_answer = {"": chosen, "rejected_": rejected}, 0
     else:
-        encoded, no_answer = encode_counted(corpus, _TOKENIZER, data)
+        encoded, no_answer = encode_counted(corpus, _TOKENIZER, data) if examples else ([], 0)
         counts = {"truncated": 0, "dropped": 0}
         index = list(range(len(encoded)))
         if data.packing != "blocks":
@@ -143,8 +203,8 @@ def _encode_slice(job: tuple[int, str, list[dict[str, Any]], list[tuple[str, int
                 fmt, data.text_field)
             encoded, index, counts = fit_overlong(encoded, origins, data.seq_len, data.overlong, field)
         sides = {"": encoded}
-    out: dict[str, Any] = {"index": _arr([start + i for i in index], np.int64), "counts": counts,
-                           "no_answer": no_answer, "examples": len(examples)}
+    out: dict[str, Any] = {"index": _arr(index, np.int64), "counts": counts, "no_answer": no_answer,
+                           "examples": len(examples)}
     for side, encoded in sides.items():
         out[side + "ids"] = _arr([t for ids, _ in encoded for t in ids])
         out[side + "labels"] = _arr([t for _, labels in encoded for t in labels])
@@ -152,22 +212,24 @@ def _encode_slice(job: tuple[int, str, list[dict[str, Any]], list[tuple[str, int
     return out
 
 
-def _lengths_slice(job: tuple[int, str, list[dict[str, Any]], list[tuple[str, int]]]) -> tuple[bytes, bytes]:
+def _lengths_slice(raw: RawSlice) -> tuple[bytes, bytes]:
     """One slice's example lengths and trained tokens as packed rows would hold them (data.packing auto)."""
     from memfit.data.formats import Corpus
     from memfit.data.layout import example_lengths
     from memfit.data.masking import encode_counted
 
-    _, fmt, examples, origins = job
-    encoded, _ = encode_counted(Corpus([], fmt, examples, origins), _TOKENIZER, _DATA)
+    examples, origins = raw.examples()
+    if not examples:
+        return b"", b""
+    encoded, _ = encode_counted(Corpus([], raw.fmt, examples, origins), _TOKENIZER, _DATA)
     lengths, trained = example_lengths(encoded, origins, _DATA)
     return _arr(lengths), _arr(trained)
 
 
 def example_lengths(data: DataConfig, tokenizer: Any, num_proc: int, cache_dir: str
                     ) -> tuple[list[int], list[int], str] | None:
-    """(tokens, trained tokens, format) of every example of data.path, encoded a slice at a time by num_proc
-    workers, for data.packing auto; None for the synthetic corpus."""
+    """(tokens, trained tokens, format) of every example of data.path, read and encoded a slice at a time by
+    num_proc workers, for data.packing auto; None for the synthetic corpus."""
     global _TOKENIZER, _DATA
     if data.path is None:
         return None
@@ -181,10 +243,10 @@ def example_lengths(data: DataConfig, tokenizer: Any, num_proc: int, cache_dir: 
 
     _TOKENIZER, _DATA = tokenizer, data
     try:
-        _encode_all(_jobs(_slices(data, cache_dir, quiet=True), fmt_seen), num_proc, sink, _lengths_slice)
+        _encode_all(_formats(_slices(data, cache_dir, quiet=True), fmt_seen), num_proc, sink, _lengths_slice)
     finally:
         _TOKENIZER = _DATA = None
-    if not fmt_seen:
+    if not lengths:
         raise blank_data(Path(data.path))
     return lengths, trained, fmt_seen[0]
 
@@ -198,8 +260,9 @@ def longest_pair(data: DataConfig, tokenizer: Any, cache_dir: str) -> int | None
     if data.path is None:
         return None
     longest = kept = 0
-    for fmt, examples, origins in _slices(data, cache_dir, quiet=True):
-        chosen, rejected, index, _ = encode_sides(Corpus([], fmt, examples, origins), tokenizer, data)
+    for raw in _slices(data, cache_dir, quiet=True):
+        examples, origins = raw.examples()
+        chosen, rejected, index, _ = encode_sides(Corpus([], raw.fmt, examples, origins), tokenizer, data)
         longest = max([longest, *(len(ids) for ids, _ in chosen + rejected)])
         kept += len(index)
     check_kept(kept, {"truncated": 0, "dropped": 0}, data)  # no pair left: the estimate says why in one line
@@ -223,7 +286,8 @@ class _Sink:
     def __call__(self, result: dict[str, Any]) -> None:
         for side, flat in self.flats.items():
             flat.append(result[side + "ids"], result[side + "labels"], result[side + "lengths"])
-        self.index.append(np.frombuffer(result["index"], dtype=np.int64))
+        # results come in record order: the examples before this slice make its indices global
+        self.index.append(np.frombuffer(result["index"], dtype=np.int64) + self.examples)
         for k in self.counts:
             self.counts[k] += result["counts"][k]
         self.no_answer += result["no_answer"]
@@ -231,15 +295,6 @@ class _Sink:
 
     def kept(self) -> np.ndarray:
         return np.concatenate(self.index) if self.index else np.zeros(0, dtype=np.int64)
-
-
-def _jobs(slices: Iterator[Slice], first: list[str]) -> Iterator[tuple[int, str, list[dict[str, Any]], Any]]:
-    start = 0
-    for fmt, examples, origins in slices:
-        if not first:
-            first.append(fmt)
-        yield start, fmt, examples, origins
-        start += len(examples)
 
 
 def prepare_examples(cfg: MemfitConfig, tokenizer: Any, out_dir: Path, num_proc: int, cache_dir: str,
@@ -264,10 +319,10 @@ def prepare_examples(cfg: MemfitConfig, tokenizer: Any, out_dir: Path, num_proc:
         _TOKENIZER, _DATA = tokenizer, data
         try:
             slices = _checked(_slices(data, cache_dir, quiet=True, tables=tables), cfg)
-            _encode_all(_jobs(slices, fmt_seen), num_proc, sink)
+            _encode_all(_formats(slices, fmt_seen), num_proc, sink)
         finally:
             _TOKENIZER = _DATA = None
-        if not fmt_seen:
+        if not sink.examples:
             raise blank_data(Path(data.path))
         fmt = fmt_seen[0]
         warn_no_answer(sink.no_answer)
@@ -293,14 +348,14 @@ def prepare_examples(cfg: MemfitConfig, tokenizer: Any, out_dir: Path, num_proc:
     return True
 
 
-def _checked(slices: Iterator[Slice], cfg: MemfitConfig) -> Iterator[Slice]:
+def _checked(slices: Iterator[RawSlice], cfg: MemfitConfig) -> Iterator[RawSlice]:
     """The objective and the records agree (as prepare_data checks), told at the first slice."""
-    for i, (fmt, examples, origins) in enumerate(slices):
-        if i == 0 and (cfg.train.objective == "dpo") != (fmt == "preference"):
-            raise DataError(f"train.objective: {cfg.train.objective}, and {cfg.data.path} holds {fmt} records; "
+    for i, raw in enumerate(slices):
+        if i == 0 and (cfg.train.objective == "dpo") != (raw.fmt == "preference"):
+            raise DataError(f"train.objective: {cfg.train.objective}, and {cfg.data.path} holds {raw.fmt} records; "
                             "dpo trains on preference pairs (records with chosen and rejected fields, or "
                             "data.format: preference without data.path for synthetic ones), sft on the others")
-        yield fmt, examples, origins
+        yield raw
 
 
 def _heldout(fmt: str, plan: Any, val_order: np.ndarray, data: DataConfig, tables: list[Any]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -21,6 +20,7 @@ from memfit.data.arrow_examples import prepare_examples
 from memfit.data.arrow_text import prepare_text_blocks
 from memfit.data.prepare import DataBundle, prepare_data
 from memfit.data.source import DataSource
+from memfit.data.workers import num_proc
 from memfit.files import write_json_atomic
 
 log = logging.getLogger("memfit.data")
@@ -111,13 +111,6 @@ def _prepare_into(tmp: Path, cfg: MemfitConfig, texts: Any, digest: str, tokeniz
     for name, t in _tensors(bundle).items():
         np.save(tmp / f"{name}.npy", t.contiguous().numpy())
     write_json_atomic(tmp / "meta.json", _meta(bundle))
-
-
-def num_proc(data: Any) -> int:
-    """data.num_proc, or the cores this process may run on."""
-    if data.num_proc:
-        return int(data.num_proc)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cached_data(cfg: MemfitConfig, texts: Any, digest: str | None, tokenizer: Any, model_config: Any = None

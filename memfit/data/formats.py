@@ -47,10 +47,17 @@ class Corpus(list[str]):
 def add_items(h: Any, items: list[str]) -> None:
     """Feed strings to a hash, each length-prefixed: ["ab", "c"] and ["a", "bc"] digest differently. The readers
     that digest a slice of records at a time call it per slice and get Corpus.digest's value."""
+    h.update(items_bytes(items))
+
+
+def items_bytes(items: list[str]) -> bytes:
+    """What add_items feeds the hash: each string's utf-8 length (8 bytes, little-endian), then the string. Workers
+    make it for their slices; the parent hashes the slices in order."""
+    parts = []
     for t in items:
         raw = t.encode("utf-8")
-        h.update(len(raw).to_bytes(8, "little"))
-        h.update(raw)
+        parts += (len(raw).to_bytes(8, "little"), raw)
+    return b"".join(parts)
 
 
 def data_digest(texts: list[str]) -> str:

@@ -88,8 +88,8 @@ class DataSource:
 
     def digest(self) -> str:
         """data_digest of the records (formats.data_digest), from the record of an earlier read when there is
-        one; else the records are read (and checked) here a batch at a time, without holding them (arrow_text,
-        arrow_examples)."""
+        one; else the records are read (and checked) a batch at a time, without holding them (arrow_text; arrow_examples
+        in data.num_proc workers)."""
         if self._digest is None:
             known = self.known()
             if self.data.streaming:  # the records are checked as they stream: the files' bytes name the data
@@ -102,13 +102,14 @@ class DataSource:
             else:  # checked and digested a batch of records at a time, never all held
                 from memfit.data.arrow_examples import scan_records
                 from memfit.data.arrow_text import scan_text
+                from memfit.data.workers import num_proc
 
                 plain = self.data.packing == "blocks" and self.data.train_on == "all"
                 text = scan_text(self.data, self.arrow_dir) if plain else None
                 if text is not None:
                     self.remember(text.digest, "text", text.examples)
                 else:
-                    scanned = scan_records(self.data, self.arrow_dir)
+                    scanned = scan_records(self.data, self.arrow_dir, num_proc(self.data))
                     if scanned is None:  # the synthetic corpus: small, made in memory
                         corpus = self.corpus()
                         self.remember(corpus.digest(), corpus.format, len(corpus.examples))

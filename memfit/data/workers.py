@@ -63,3 +63,10 @@ def quiet_signals() -> None:
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def num_proc(data: Any) -> int:
+    """data.num_proc, or the cores this process may run on."""
+    if data.num_proc:
+        return int(data.num_proc)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

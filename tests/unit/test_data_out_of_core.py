@@ -14,6 +14,7 @@ from memfit.data.templates import BUILTIN_TEMPLATES
 from memfit.errors import DataError
 
 pytestmark = pytest.mark.unit
+_load_whole = formats.load_texts  # the in-memory reader, the oracle (never_whole makes the module's name refuse)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,30 @@ def test_a_bad_record_found_by_a_worker_is_named_by_file_and_line(tmp_path, tok,
         _prepare(tmp_path, tok, path, "data.train_on=assistant", "data.packing=padding_free",
                  "data.overlong=error")
     assert not list((tmp_path / "work" / "data-cache").glob("[!.]*/meta.json"))  # nothing half-written was kept
+
+
+@pytest.mark.parametrize("records", ["messages", "text"])
+def test_the_digest_scan_in_workers_is_the_readers_digest(tmp_path, small_slices, never_whole, records):
+    """The scan's slices read, checked and rendered for the hash by two workers, hashed in order here: the digest of
+    the in-memory reader (blank texts dropped as it drops them), and a bad record named as it names it."""
+    from memfit.data.formats import data_digest
+
+    rows = (_conversations(150) if records == "messages"
+            else [{"text": "   " if i % 7 == 0 else f"record {i} words"} for i in range(150)])
+    path = write_jsonl(rows, tmp_path / "data.jsonl")
+    cfg = config.load(None, [f"data.path={path}", f"run.work_dir={tmp_path / 'work'}", "data.num_proc=2",
+                             "data.packing=padding_free"])  # not plain text blocks: arrow_examples scans
+    scanned = DataSource(cfg.data, cfg.run.work_dir)
+    assert scanned.digest() == data_digest(_load_whole(cfg.data))
+    assert scanned.known()["examples"] == (150 if records == "messages" else 150 - len(range(0, 150, 7)))
+    rows[120] = {"other": 1}  # slice 8 of 10: a worker finds it, the parent names it as the reader does
+    rows[130] = {"other": 2}
+    write_jsonl(rows, path)
+    with pytest.raises(DataError) as new:
+        DataSource(cfg.data, cfg.run.work_dir).digest()
+    with pytest.raises(DataError) as old:
+        _load_whole(cfg.data)
+    assert str(new.value) == str(old.value) and "record 121" in str(new.value)
 
 
 @pytest.mark.parametrize("packing", ["padding_free", "none", "blocks"])
