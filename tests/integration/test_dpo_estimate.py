@@ -67,20 +67,6 @@ def test_dpo_estimate_is_within_two_percent_of_the_measured_step(mode):
         assert predicted.extra["reference_bytes"] >= predicted.weight_bytes
 
 
-def test_plan_for_an_8b_dpo_lora_run_on_24_gb_fits_and_names_the_reference():
-    from memfit import config
-    from memfit.memory.planner.plan import plan_table_markdown
-    from memfit.memory.planner.search import plan_report
-
-    cfg = config.load(REPO / "configs" / "llama-3-8b-dpo-lora.yaml", [])
-    assert cfg.train.objective == "dpo" and cfg.train.micro_batch_size == 1 and cfg.data.seq_len == 1024
-    plan, out = plan_report(cfg)
-    assert out["fits"] and out["device"] == "rtx-4090" and out["lora"] and out["reference"] == "adapter_off"
-    assert out["predicted_peak_bytes"] <= out["limit_bytes"]
-    text = plan_table_markdown(plan)
-    assert "reference counted: adapter_off: the policy with its LoRA adapters disabled" in text
-
-
 def test_dpo_is_planned_for_the_datas_longest_pair_when_the_data_is_known(tmp_path):
     """A DPO batch is cut to its longest side: with the pairs and the tokenizer at hand the estimate is made at the
     data's longest pair, not data.seq_len; with a config.json alone the worst case, data.seq_len, stays."""
