@@ -32,6 +32,7 @@ from memfit.run_context import (
     log_training_end,
     measured_peaks_for,
     plan_policy,
+    prepare_for_ranks,
     record_plan_at_resume,
     remember_memory_limit,
     run_identity,
@@ -213,6 +214,7 @@ def train(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint, probe_report
     if cfg.distributed.world_size > 1:  # torchrun runs this same training on every rank
         from memfit.distributed.launch import train_distributed
 
+        prepare_for_ranks(cfg)  # a preset and the packed rows made once, not by every rank at once
         return train_distributed(cfg, plan, resume, probe_report)
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
@@ -395,6 +397,7 @@ def launch_node(cfg: MemfitConfig) -> TrainReport | None:
     if resume.finished:
         log.info("run already finished at step %s: nothing to do on this node", resume.step)
         return None
+    prepare_for_ranks(cfg)
     return train_distributed(cfg, plan, resume, None)
 
 

@@ -289,3 +289,32 @@ def packing_alternatives(cfg: MemfitConfig, device: str | None = None) -> tuple[
         model, tokenizer, _ = load_model_and_tokenizer(cfg, texts.texts, digest)
         hf_config = model.config
     return resolve_auto_packing(cfg, texts, digest, tokenizer, hf_config)
+
+
+def prepare_for_ranks(cfg: MemfitConfig) -> None:
+    """What every rank of a node would otherwise make at once, made here before torchrun starts: a preset's files,
+    and the packed rows (from the tokenizer and the model's config; its weights are never loaded here), so the
+    ranks find them cached instead of each preparing the same rows with data.num_proc workers of its own."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memfit.data.cache import cached_data
+    from memfit.data.source import DataSource
+    from memfit.data.templates import use_configured_template
+    from memfit.memory.estimator.estimate import model_config_for
+    from memfit.models.loading import build_preset, load_tokenizer, preset_dir
+
+    texts = DataSource(cfg.data, cfg.run.work_dir)
+    if cfg.model.name_or_path and cfg.data.streaming:  # nothing to build, nothing to prepare: the ranks stream
+        return
+    digest = texts.digest()
+    source = cfg.model.name_or_path or str(build_preset(cfg.model, texts.texts, preset_dir(cfg, digest),
+                                                        seed=cfg.train.seed, max_seq_len=cfg.data.seq_len,
+                                                        digest=digest))
+    if cfg.data.streaming:
+        return
+    tokenizer = use_configured_template(load_tokenizer(source, cfg.model.trust_remote_code), cfg.data)
+    hf_config = model_config_for(cfg) if cfg.model.name_or_path else AutoConfig.from_pretrained(source)
+    with torch.device("meta"):  # the attention implementation a rank's model gets (packing auto weighs it)
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.model.trust_remote_code)
+    cached_data(cfg, texts, digest, tokenizer, model.config)

@@ -242,11 +242,11 @@ def outcome(cfg: MemfitConfig, jdir: Path, returncode: int, stop_reason: str | N
 
 def train_distributed(cfg: MemfitConfig, plan: PlanReport, resume: ResumePoint,
                       probe_report: ProbeReport | None = None) -> TrainReport:
-    """Phase 3 on several processes: torchrun runs memfit.distributed.worker on every rank of this node."""
+    """Phase 3 on several processes: torchrun runs memfit.distributed.worker on every rank of this node (what they
+    share is made first: run_context.prepare_for_ranks)."""
     from memfit.runtime.preemption import stop_on_signals
     from memfit.runtime.spot import spot_watcher
 
-    ensure_model_files(cfg)
     jdir = prepare_job_dir(cfg)
     job = Job(config=cfg.model_dump(mode="json"), plan=plan.model_dump(mode="json"),
               resume=resume.model_dump(mode="json"),
@@ -278,15 +278,3 @@ def _mark_failed(cfg: MemfitConfig, jdir: Path) -> None:
         tracker.end_run("FAILED")
     except Exception as err:  # noqa: BLE001 - the training error matters more than this one
         log.warning("could not mark the MLflow run failed: %s", err)
-
-
-def ensure_model_files(cfg: MemfitConfig) -> None:
-    """Build a preset once here, so the ranks never race to build the same folder."""
-    if cfg.model.name_or_path:
-        return
-    from memfit.data.source import DataSource
-    from memfit.models.loading import build_preset, preset_dir
-
-    source = DataSource(cfg.data, cfg.run.work_dir)  # records read only when the preset is not built yet
-    build_preset(cfg.model, source.texts, preset_dir(cfg, source.digest()), seed=cfg.train.seed,
-                 max_seq_len=cfg.data.seq_len, digest=source.digest())

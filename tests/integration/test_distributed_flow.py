@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,17 @@ import torch
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
+
+
+class Said(logging.Handler):
+    """(logger, message) of every record memfit's loggers emit during the flow."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.name, record.getMessage()))
 
 
 def test_tiny_ddp_flow_one_mlflow_run_and_verified_export(prefect_harness, tmp_path):
@@ -29,8 +41,23 @@ def test_tiny_ddp_flow_one_mlflow_run_and_verified_export(prefect_harness, tmp_p
         "train.max_steps": 12, "checkpoint.every_steps": 6, "data.synthetic_docs": 600,
         "export.onnx": False}))
     assert cfg.distributed.nproc_per_node == 2 and cfg.distributed.strategy == "ddp"
-    s = finetune(config=cfg)
+    said = Said()
+    memfit_log = logging.getLogger("memfit")
+    level, memfit_log.level = memfit_log.level, logging.INFO
+    memfit_log.addHandler(said)
+    try:
+        s = finetune(config=cfg)
+    finally:
+        memfit_log.removeHandler(said)
+        memfit_log.setLevel(level)
     assert s.status == "completed" and s.steps == 12
+    # The rows are prepared once, before the ranks start (the launcher's own line); each rank finds them cached
+    # (the ranks' lines come through the launcher's memfit.distributed logger).
+    here = [m for name, m in said.records if name == "memfit.data"]
+    ranks = [m for name, m in said.records if name == "memfit.distributed"]
+    assert len([m for m in here if m.startswith("data: prepared in")]) == 1, here
+    assert len([m for m in ranks if "data: prepared rows reused" in m]) == 2, ranks
+    assert not [m for m in ranks if "data: prepared in" in m], ranks
     assert s.plan.strategy == "ddp" and s.plan.world_size == 2 and s.plan.sharding["world_size"] == 2
     assert s.final_val_loss < s.initial_val_loss
 
