@@ -211,10 +211,17 @@ def _collect(proc: subprocess.Popen, timeout: float, log: Path) -> dict:
         out = (out or "") + "\nROW " + json.dumps({"error": f"timed out after {timeout:.0f} s"})
     with log.open("a") as f:
         f.write(out or "")
-    # A child's ROW line, or `memfit estimate --json`'s one JSON line.
-    rows = [json.loads(line.removeprefix("ROW ")) for line in (out or "").splitlines()
-            if line.startswith(("ROW {", "{"))]
-    return rows[-1] if rows else {"error": ((out or "").strip().splitlines() or ["no output"])[-1][:300]}
+    # A child's ROW line, else `memfit estimate --json`'s one JSON line. Other lines may start with "{" too: TRL's
+    # SFTTrainer prints its logs as Python dicts ({'loss': '6.27', ...}), which are not JSON.
+    lines = (out or "").splitlines()
+    for prefix in ("ROW {", "{"):
+        for line in reversed(lines):
+            if line.startswith(prefix):
+                try:
+                    return json.loads(line.removeprefix("ROW "))
+                except ValueError:
+                    continue
+    return {"error": ((out or "").strip().splitlines() or ["no output"])[-1][:300]}
 
 
 def _estimate(model_dir: str, model: str, policy: str, extra: list[str], dry: bool, gpu: str | None

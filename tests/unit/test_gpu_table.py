@@ -33,6 +33,8 @@ def test_the_1b_row_reads_as_measured_on_the_h200():
     ('noise\nROW {"step_s": 1.0}\n', {"step_s": 1.0}),  # a child's row
     ('log line\n{"total_bytes": 5}\n', {"total_bytes": 5}),  # memfit estimate --json
     ("Traceback\nValueError: bad\n", {"error": "ValueError: bad"}),
+    # TRL's SFTTrainer prints its logs as Python dicts: not rows, and not a reason to fail the table
+    ("{'loss': '6.27', 'epoch': '0.17'}\nROW {\"tokens_s\": 9.0}\n{'train_runtime': '0.09'}\n", {"tokens_s": 9.0}),
 ])
 def test_a_childs_output_becomes_its_row(printed, expected, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", f"print({printed!r}, end='')"], stdout=subprocess.PIPE,
