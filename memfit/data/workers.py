@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import signal
@@ -18,11 +19,16 @@ def in_order(work: Callable[[Any], Any], jobs: Iterable[Any], num_proc: int, sin
     """sink(work(job)) for every job, in the jobs' order: in this process, or in num_proc forked workers that
     inherit what the parent set up (a tokenizer); at most 4 x num_proc jobs are in flight, so the parent's memory
     stays flat however many jobs there are. A worker's exception is raised here, the first in job order; a worker
-    that dies is an error, never a wait."""
-    if num_proc <= 1:
-        for job in jobs:
+    that dies is an error, never a wait. Fewer jobs than num_proc take fewer workers, and a single job runs here:
+    a small corpus forks nothing."""
+    jobs = iter(jobs)
+    ahead = list(itertools.islice(jobs, num_proc))  # as many jobs as workers: are there enough to share?
+    if num_proc <= 1 or len(ahead) <= 1:
+        for job in itertools.chain(ahead, jobs):
             sink(work(job))
         return
+    num_proc = min(num_proc, len(ahead))
+    jobs = itertools.chain(ahead, jobs)
     # concurrent.futures rather than multiprocessing.Pool: Pool.terminate can hang for good when its task thread is
     # blocked writing a large job into a pipe no worker reads any more (seen once here, under load, on a bad
     # record), and a Pool whose worker died waits for its result forever; the executor reports both as errors.
