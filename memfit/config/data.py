@@ -64,8 +64,9 @@ class DataConfig(_Section):
     synthetic_docs: int = Field(2000, ge=10, le=10_000_000, description="Synthetic corpus size (documents).")
     seed: int = Field(1234, description="Seed of the synthetic corpus and the train/validation split.")
     num_proc: int | None = Field(
-        None, ge=1, le=512, description="Processes that tokenise the records in parallel when the rows are "
-        "prepared (once per data version; every phase reuses them). Unset: the cores this process may use.")
+        None, ge=1, le=512, description="Processes that read, check and tokenise the records in parallel when "
+        "the data is first checked and its rows prepared (once per data version; every phase reuses them). Unset: "
+        "the cores this process may use; a small corpus takes fewer (one slice of 2048 records: none).")
     streaming: bool = Field(
         False, description="Read the records as a stream (datasets' IterableDataset over the files, or "
         "load_dataset(NAME, streaming=True) for hf:NAME) and cut blocks on the fly, with no packed rows on disk: "
