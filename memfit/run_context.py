@@ -315,6 +315,11 @@ def prepare_for_ranks(cfg: MemfitConfig) -> None:
         return
     tokenizer = use_configured_template(load_tokenizer(source, cfg.model.trust_remote_code), cfg.data)
     hf_config = model_config_for(cfg) if cfg.model.name_or_path else AutoConfig.from_pretrained(source)
-    with torch.device("meta"):  # the attention implementation a rank's model gets (packing auto weighs it)
-        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=cfg.model.trust_remote_code)
-    cached_data(cfg, texts, digest, tokenizer, model.config)
+    try:  # the attention implementation a rank's model gets (packing auto weighs it)
+        with torch.device("meta"):
+            hf_config = AutoModelForCausalLM.from_config(hf_config,
+                                                         trust_remote_code=cfg.model.trust_remote_code).config
+    except Exception as err:  # noqa: BLE001 - a hint only: a rank whose layout key differs decides again
+        log.info("data: the model was not built on the meta device (%s); packing auto assumes sdpa attention "
+                 "here", str(err).splitlines()[0] if str(err) else type(err).__name__)
+    cached_data(cfg, texts, digest, tokenizer, hf_config)
