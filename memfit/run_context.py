@@ -269,9 +269,8 @@ def packing_alternatives(cfg: MemfitConfig, device: str | None = None) -> tuple[
     """data.packing auto for `memfit plan`: the layout chosen and every candidate's prediction, for the target
     device (--device, else memory.device, else this machine). A hub model needs only its config and tokenizer."""
     from memfit.data.cache import resolve_auto_packing
-    from memfit.data.templates import use_configured_template
     from memfit.memory.estimator.estimate import model_config_for
-    from memfit.models.loading import load_tokenizer
+    from memfit.models.loading import configured_tokenizer
 
     if cfg.train.objective == "dpo":  # preference pairs: one padded pair a row, nothing to weigh
         return "none", []
@@ -282,8 +281,7 @@ def packing_alternatives(cfg: MemfitConfig, device: str | None = None) -> tuple[
     texts = DataSource(cfg.data, cfg.run.work_dir)
     digest = texts.digest()
     if cfg.model.name_or_path:
-        tokenizer = use_configured_template(load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code),
-                                            cfg.data)
+        tokenizer = configured_tokenizer(cfg, cfg.model.name_or_path)
         hf_config = model_config_for(cfg)
     else:  # a preset: built on first use (small), as a run would
         model, tokenizer, _ = load_model_and_tokenizer(cfg, texts.texts, digest)
@@ -300,20 +298,17 @@ def prepare_for_ranks(cfg: MemfitConfig) -> None:
 
     from memfit.data.cache import cached_data
     from memfit.data.source import DataSource
-    from memfit.data.templates import use_configured_template
     from memfit.memory.estimator.estimate import model_config_for
-    from memfit.models.loading import build_preset, load_tokenizer, preset_dir
+    from memfit.models.loading import configured_tokenizer, model_source
 
-    texts = DataSource(cfg.data, cfg.run.work_dir)
     if cfg.model.name_or_path and cfg.data.streaming:  # nothing to build, nothing to prepare: the ranks stream
         return
+    texts = DataSource(cfg.data, cfg.run.work_dir)
     digest = texts.digest()
-    source = cfg.model.name_or_path or str(build_preset(cfg.model, texts.texts, preset_dir(cfg, digest),
-                                                        seed=cfg.train.seed, max_seq_len=cfg.data.seq_len,
-                                                        digest=digest))
+    source = model_source(cfg, texts.texts, digest)
     if cfg.data.streaming:
         return
-    tokenizer = use_configured_template(load_tokenizer(source, cfg.model.trust_remote_code), cfg.data)
+    tokenizer = configured_tokenizer(cfg, source)
     hf_config = model_config_for(cfg) if cfg.model.name_or_path else AutoConfig.from_pretrained(source)
     try:  # the attention implementation a rank's model gets (packing auto weighs it)
         with torch.device("meta"):

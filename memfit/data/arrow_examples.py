@@ -96,13 +96,10 @@ def _slices(data: DataConfig, cache_dir: str, quiet: bool = False, tables: list[
             tables.append((where, ds))
         start = 0
         for raw in _raw(ds):
-            n = raw.num_rows if not isinstance(raw, list) else len(raw)
-            slice_numbers = numbers[start:start + n].tolist()
+            n, records = ((len(raw), {"rows": raw}) if isinstance(raw, list)
+                          else (raw.num_rows, {"arrow": _ipc(raw), "features": ds.features}))
+            yield RawSlice(where, fmt, cfg, numbers[start:start + n].tolist(), **records)
             start += n
-            if isinstance(raw, list):
-                yield RawSlice(where, fmt, cfg, slice_numbers, rows=raw)
-            else:
-                yield RawSlice(where, fmt, cfg, slice_numbers, arrow=_ipc(raw), features=ds.features)
 
 
 def _raw(ds: Any) -> Iterator[Any]:

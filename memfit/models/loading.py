@@ -231,16 +231,23 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32,
         raise _load_error(target, local, "model", err) from err
 
 
+def model_source(cfg: MemfitConfig, texts: Any, data_digest: str) -> str:
+    """model.name_or_path, or the preset's folder, built first if needed (`texts`: as build_preset takes them)."""
+    if cfg.model.name_or_path:
+        return cfg.model.name_or_path
+    return str(build_preset(cfg.model, texts, preset_dir(cfg, data_digest), seed=cfg.train.seed,
+                            max_seq_len=cfg.data.seq_len, digest=data_digest))
+
+
+def configured_tokenizer(cfg: MemfitConfig, source: str) -> Any:
+    """The tokenizer of `source` with data.chat_template applied, as a run encodes with it."""
+    return use_configured_template(load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code), cfg.data)
+
+
 def load_model_and_tokenizer(cfg: MemfitConfig, texts: list[str], data_digest: str) -> tuple[Any, Any, str]:
     """(model, tokenizer, the name_or_path they were loaded from); presets are built first if needed."""
-    if cfg.model.name_or_path:
-        source = cfg.model.name_or_path
-    else:
-        out = preset_dir(cfg, data_digest)
-        source = str(build_preset(cfg.model, texts, out, seed=cfg.train.seed, max_seq_len=cfg.data.seq_len,
-                                  digest=data_digest))
-    tokenizer = use_configured_template(load_tokenizer(source, trust_remote_code=cfg.model.trust_remote_code),
-                                        cfg.data)
+    source = model_source(cfg, texts, data_digest)
+    tokenizer = configured_tokenizer(cfg, source)
     # Always fp32 here: the trainer casts for bf16-true once the plan has settled the precision.
     model = load_model(source, dtype=torch.float32, trust_remote_code=cfg.model.trust_remote_code)
     return model, tokenizer, source

@@ -43,7 +43,8 @@ def test_tiny_ddp_flow_one_mlflow_run_and_verified_export(prefect_harness, tmp_p
     assert cfg.distributed.nproc_per_node == 2 and cfg.distributed.strategy == "ddp"
     said = Said()
     memfit_log = logging.getLogger("memfit")
-    level, memfit_log.level = memfit_log.level, logging.INFO
+    level = memfit_log.level
+    memfit_log.setLevel(logging.INFO)
     memfit_log.addHandler(said)
     try:
         s = finetune(config=cfg)

@@ -27,17 +27,15 @@ def longest_pair_tokens(cfg: Any) -> int | None:
 def _longest(cfg: Any) -> int | None:
     from memfit.data.formats import data_digest, load_texts
     from memfit.data.pairs import REJECTED, encode_pairs
-    from memfit.data.templates import use_configured_template
     from memfit.errors import MemfitError
-    from memfit.models.loading import load_model_and_tokenizer, load_tokenizer
+    from memfit.models.loading import configured_tokenizer, load_model_and_tokenizer
 
     try:
         if cfg.model.name_or_path:
             from memfit.data.arrow_examples import longest_pair
             from memfit.data.source import DataSource
 
-            tokenizer = use_configured_template(load_tokenizer(cfg.model.name_or_path, cfg.model.trust_remote_code),
-                                                cfg.data)
+            tokenizer = configured_tokenizer(cfg, cfg.model.name_or_path)
             # data.path's pairs a slice at a time (a large preference set is never all held)
             longest = longest_pair(cfg.data, tokenizer, DataSource(cfg.data, cfg.run.work_dir).arrow_dir)
             if longest is not None:
