@@ -18,6 +18,7 @@ import copy
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,7 +104,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     tok, data, policy = build(args)
-    cfg = trl.DPOConfig(output_dir="/tmp/dpo-peers", loss_type=["sigmoid"], beta=0.1, bf16=False, use_cpu=True,
+    scratch = tempfile.TemporaryDirectory(prefix="dpo-peers-")  # TRL's output_dir: the bench saves nothing there
+    cfg = trl.DPOConfig(output_dir=scratch.name, loss_type=["sigmoid"], beta=0.1, bf16=False, use_cpu=True,
                         gradient_checkpointing=False, report_to=[], per_device_train_batch_size=args.pairs,
                         max_length=None)
     trainer = trl.DPOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(policy), args=cfg,

@@ -250,7 +250,13 @@ def run_memfit(cfg, variant: str, fused: bool, turns: Turns) -> dict:
     tracker.flush = timer(tracker.flush, "flush")
     tracker.start_run("memfit")
     manager = checkpoint_manager(cfg)
-    trainer = Timed(cfg, model, data, torch.device("cpu"), tracker, manager, run_identity(cfg))
+    try:  # the plan, an object of its own since the plan/config split (a `--before` tree from before takes none)
+        from memfit.run_context import configured_plan
+
+        planned = (configured_plan(cfg, "none", reason="bench"),)
+    except ImportError:
+        planned = ()
+    trainer = Timed(cfg, *planned, model, data, torch.device("cpu"), tracker, manager, run_identity(cfg))
     try:
         turns.wait()
         trainer.fit()

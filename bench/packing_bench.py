@@ -66,7 +66,7 @@ def _setup(args, data: Path, work: Path, packing: str):
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
     inputs = run_context.load_inputs(cfg)
-    bundle = prepare_data(cfg, inputs.tokenizer, inputs.texts)
+    bundle = prepare_data(cfg, inputs.tokenizer, inputs.texts.corpus())
     plan = PlanReport(policy="none", every_k=2, precision="fp32", micro_batch_size=args.batch, grad_accum_steps=1,
                       reason="bench", description="none")
     model = run_context.build_training_model(cfg, inputs.model, plan)

@@ -146,14 +146,16 @@ class SingleProcess:
     def save(self, trainer: Any, *, blocking: bool, force: bool, deadline: float | None, busy: bool | None
              ) -> Any:
         ckpt: CheckpointManager = trainer.checkpoints
+        # Taken by the writer only if the save goes ahead (on_busy=skip may drop it).
+        return ckpt.save(lambda: self.snapshot(trainer), blocking=blocking, force=force, deadline=deadline,
+                         step=trainer.step, busy=busy)
 
-        def snapshot() -> Any:  # taken by the writer only if the save goes ahead (on_busy=skip may drop it)
-            rng_json, rng_tensors = capture_rng()
-            state = {"step": trainer.step, **self.resume_state(trainer.resume_state(rng_json))}
-            return take_snapshot(trainer.step, trainer.model_state(), self.optimizer.state_dict(), rng_tensors,
-                                 state, trainer.cfg.to_yaml())
-
-        return ckpt.save(snapshot, blocking=blocking, force=force, deadline=deadline, step=trainer.step, busy=busy)
+    def snapshot(self, trainer: Any) -> Any:
+        """This step's training checkpoint in memory (weights, optimizer, RNG, schedule), as a save takes it."""
+        rng_json, rng_tensors = capture_rng()
+        state = {"step": trainer.step, **self.resume_state(trainer.resume_state(rng_json))}
+        return take_snapshot(trainer.step, trainer.model_state(), self.optimizer.state_dict(), rng_tensors, state,
+                             trainer.cfg.to_yaml())
 
     def restore(self, trainer: Any, folder: Path) -> tuple[dict[str, Any], RNG | None]:
         """Weights, optimizer and schedule from a training checkpoint; returns (state.json, this rank's RNG)."""
