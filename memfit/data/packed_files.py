@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,13 @@ class Flat:
 
     def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         return self.span(int(self.offsets[i]), int(self.lengths[i]))
+
+    def examples(self, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The examples `which`, in that order, back to back: (ids, labels). One pread each, one array a side."""
+        assert self.fds is not None
+        spans = list(zip((4 * self.offsets[which]).tolist(), (4 * self.lengths[which]).tolist(), strict=True))
+        return tuple(np.frombuffer(b"".join([os.pread(fd, n, at) for at, n in spans]), dtype=np.int32)
+                     for fd in self.fds)  # type: ignore[return-value]
 
 
 @dataclass
@@ -113,20 +121,25 @@ def pack_plan(fmt: str, data: DataConfig, sink: Any, pad_id: int) -> Plan:
     bins = _bins(main.lengths.tolist(), seq_len)
 
     def fill_free(rows: list[int], out: dict[str, np.ndarray]) -> None:
-        ids_out, labels_out, pos_out = out["input_ids"], out["labels"], out["position_ids"]
-        for k, r in enumerate(rows):
-            at = 0
-            for i in bins[r]:
-                ids, labels = main.example(i)
-                n_tok = len(ids)
-                ids_out[k, at:at + n_tok] = ids
-                labels_out[k, at:at + n_tok] = labels
-                labels_out[k, at] = IGNORE
-                pos_out[k, at:at + n_tok] = np.arange(n_tok)
-                at += n_tok
-            ids_out[k, at:] = pad_id
-            labels_out[k, at:] = IGNORE
-            pos_out[k, at:] = np.arange(seq_len - at)
+        # The chunk at once (this runs in the parent, serially): a row is its examples back to back, then padding,
+        # so in row-major order the cells before each row's padding take the examples' tokens in order.
+        members = [bins[r] for r in rows]
+        counts = np.fromiter(map(len, members), np.int64, len(rows))
+        which = np.fromiter(chain.from_iterable(members), np.int64, int(counts.sum()))
+        lengths = main.lengths[which]
+        starts = np.cumsum(lengths) - lengths  # each example's first token among the chunk's tokens
+        row_of = np.repeat(np.arange(len(rows)), counts)
+        col = starts - np.repeat(starts[np.cumsum(counts) - counts], counts)  # its first column in its row
+        used = np.bincount(row_of, weights=lengths, minlength=len(rows)).astype(np.int64)
+        tail = np.arange(seq_len)[None, :] - used[:, None]
+        pad = tail >= 0
+        tokens = ~pad
+        ids, labels = main.examples(which)
+        out["input_ids"][tokens], out["labels"][tokens] = ids, labels
+        out["position_ids"][tokens] = np.arange(len(ids)) - np.repeat(starts, lengths)
+        some = lengths > 0  # an example's first token has no previous token of its own
+        out["labels"].reshape(-1)[(row_of * seq_len + col)[some]] = IGNORE
+        out["input_ids"][pad], out["labels"][pad], out["position_ids"][pad] = pad_id, IGNORE, tail[pad]
 
     return Plan(len(bins), seq_len, ["input_ids", "labels", "position_ids"], fill_free, stats, kept,
                 lambda r: bins[r])
@@ -170,13 +183,13 @@ def write_rows(plan: Plan, out_dir: Path, val_fraction: float, seed: int) -> Wri
                                                          "shape": (len(rows), seq_len)})
             for start in range(0, len(rows), CHUNK):
                 chunk = rows[start:start + CHUNK].tolist()
-                out = {f: np.zeros((len(chunk), seq_len), dtype=np.int64) for f in plan.fields}
+                out = {f: np.empty((len(chunk), seq_len), dtype=np.int64) for f in plan.fields}  # fill sets all
                 plan.fill(chunk, out)
                 if split == "train":
                     trained += (int((out["labels"][:, 1:] != IGNORE).sum()) if "labels" in out
                                 else len(chunk) * (seq_len - 1))
                 for f, arr in out.items():
-                    files[f].write(arr.tobytes())
+                    files[f].write(memoryview(arr).cast("B"))  # no copy
         finally:
             for f in files.values():
                 f.close()
