@@ -327,7 +327,7 @@ def prepare_examples(cfg: MemfitConfig, tokenizer: Any, out_dir: Path, num_proc:
             check_kept(len(sink.kept()), sink.counts, data)
         try:
             plan = pack_plan(fmt, data, sink, pad_id)
-            written = write_rows(plan, out_dir, data.val_fraction, data.seed)
+            written = write_rows(plan, out_dir, data.val_fraction, data.seed, num_proc)
         finally:
             for flat in sink.flats.values():
                 flat.release()

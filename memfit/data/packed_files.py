@@ -162,36 +162,64 @@ class Written:
     val_order: np.ndarray = field(repr=False)
 
 
-def write_rows(plan: Plan, out_dir: Path, val_fraction: float, seed: int) -> Written:
+def write_rows(plan: Plan, out_dir: Path, val_fraction: float, seed: int, num_proc: int = 1) -> Written:
     """The rows split as packing.split_rows splits them (seeded permutation; validation first), each split's
-    fields written as int64 .npy files (train.npy, train.labels.npy, ...) a chunk at a time."""
+    fields written as int64 .npy files (train.npy, train.labels.npy, ...): each file is made at its full size
+    first, then chunks of rows are filled and written at their place, by `num_proc` forked workers (which read
+    the encoded files and write the rows themselves: the parent only hands out chunks and sums their counts)."""
     import torch
 
+    from memfit.data.workers import in_order
+
+    global _PLAN
     n = plan.n_rows
     if n < 2:
         raise DataError(f"data.seq_len: only {n} block(s); need 2 or more: lower data.seq_len or add data")
     n_val = min(max(1, round(n * val_fraction)), n - 1)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
-    seq_len = plan.seq_len
-    trained = 0
+    seq_len, jobs = plan.seq_len, []
     for split, rows in (("train", order[n_val:]), ("val", order[:n_val])):
-        names = {f: out_dir / (f"{split}.npy" if f == "input_ids" else f"{split}.{f}.npy") for f in plan.fields}
-        files = {f: p.open("wb") for f, p in names.items()}
-        try:
-            for f in files.values():
-                np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False,
-                                                         "shape": (len(rows), seq_len)})
-            for start in range(0, len(rows), CHUNK):
-                chunk = rows[start:start + CHUNK].tolist()
-                out = {f: np.empty((len(chunk), seq_len), dtype=np.int64) for f in plan.fields}  # fill sets all
-                plan.fill(chunk, out)
-                if split == "train":
-                    trained += (int((out["labels"][:, 1:] != IGNORE).sum()) if "labels" in out
-                                else len(chunk) * (seq_len - 1))
-                for f, arr in out.items():
-                    files[f].write(memoryview(arr).cast("B"))  # no copy
-        finally:
-            for f in files.values():
-                f.close()
-    share = trained / max(1, (n - n_val) * seq_len)
+        starts = {}
+        for f in plan.fields:
+            path = out_dir / (f"{split}.npy" if f == "input_ids" else f"{split}.{f}.npy")
+            with path.open("wb") as fh:
+                np.lib.format.write_array_header_1_0(fh, {"descr": "<i8", "fortran_order": False,
+                                                          "shape": (len(rows), seq_len)})
+                starts[str(path)] = fh.tell()
+                fh.truncate(starts[str(path)] + 8 * len(rows) * seq_len)
+        jobs += [(split == "train", {p: at + 8 * i * seq_len for p, at in starts.items()}, rows[i:i + CHUNK])
+                 for i in range(0, len(rows), CHUNK)]
+    trained: list[int] = []  # each chunk's trained tokens
+    _PLAN = plan  # forked workers inherit it (closures over open files: never pickled)
+    try:
+        in_order(_write_chunk, jobs, num_proc, trained.append)
+    finally:
+        _PLAN = None
+    share = sum(trained) / max(1, (n - n_val) * seq_len)
     return Written(n - n_val, n_val, share, order[:n_val])
+
+
+_PLAN: Plan | None = None
+
+
+def _write_chunk(job: tuple[bool, dict[str, int], np.ndarray]) -> int:
+    """Fill one chunk of rows and write each field at its place in its file; the chunk's trained tokens (training
+    rows), else 0."""
+    train, places, rows = job
+    plan = _PLAN
+    assert plan is not None
+    chunk = rows.tolist()
+    out = {f: np.empty((len(chunk), plan.seq_len), dtype=np.int64) for f in plan.fields}  # the fill sets every cell
+    plan.fill(chunk, out)
+    for (path, at), arr in zip(places.items(), out.values(), strict=True):
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            view = memoryview(arr).cast("B")
+            while view:
+                done = os.pwrite(fd, view, at)
+                view, at = view[done:], at + done
+        finally:
+            os.close(fd)
+    if not train:
+        return 0
+    return int((out["labels"][:, 1:] != IGNORE).sum()) if "labels" in out else len(chunk) * (plan.seq_len - 1)

@@ -136,12 +136,18 @@ def test_packed_rows_are_byte_identical_to_the_recorded_ones(digests):
     assert not moved, f"packed rows changed for {moved}"
 
 
-@pytest.mark.parametrize("num_proc", [1, 2])
-def test_prepared_once_through_the_cache_gives_the_same_rows(tok, tmp_path_factory, num_proc, caplog):
+@pytest.mark.parametrize(("num_proc", "chunk"), [(1, None), (2, None), (2, 3)])
+def test_prepared_once_through_the_cache_gives_the_same_rows(tok, tmp_path_factory, num_proc, chunk, caplog,
+                                                             monkeypatch):
     """The way a run prepares (a DataSource, records out of core in every format, one process or two workers, .npy
-    memory-mapped): the recorded bytes, the held-out prompts and the counts included."""
+    memory-mapped): the recorded bytes, the held-out prompts and the counts included. Chunks of 3 rows: the
+    workers write many chunks of each file, each at its own place."""
+    from memfit.data import packed_files
     from memfit.data.cache import cached_data
     from memfit.data.source import DataSource
+
+    if chunk:
+        monkeypatch.setattr(packed_files, "CHUNK", chunk)
 
     sources = _sources(tmp_path_factory.mktemp("sources"))
     recorded = json.loads(FIXTURE.read_text())
