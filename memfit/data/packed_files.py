@@ -121,8 +121,8 @@ def pack_plan(fmt: str, data: DataConfig, sink: Any, pad_id: int) -> Plan:
     bins = _bins(main.lengths.tolist(), seq_len)
 
     def fill_free(rows: list[int], out: dict[str, np.ndarray]) -> None:
-        # The chunk at once (this runs in the parent, serially): a row is its examples back to back, then padding,
-        # so in row-major order the cells before each row's padding take the examples' tokens in order.
+        # The chunk at once, not an example at a time: a row is its examples back to back, then padding, so in
+        # row-major order the cells before each row's padding take the examples' tokens in order.
         members = [bins[r] for r in rows]
         counts = np.fromiter(map(len, members), np.int64, len(rows))
         which = np.fromiter(chain.from_iterable(members), np.int64, int(counts.sum()))
@@ -179,15 +179,15 @@ def write_rows(plan: Plan, out_dir: Path, val_fraction: float, seed: int, num_pr
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
     seq_len, jobs = plan.seq_len, []
     for split, rows in (("train", order[n_val:]), ("val", order[:n_val])):
-        starts = {}
+        data_at = {}  # each field's file: where its rows begin, after the .npy header
         for f in plan.fields:
-            path = out_dir / (f"{split}.npy" if f == "input_ids" else f"{split}.{f}.npy")
-            with path.open("wb") as fh:
+            path = str(out_dir / (f"{split}.npy" if f == "input_ids" else f"{split}.{f}.npy"))
+            with open(path, "wb") as fh:
                 np.lib.format.write_array_header_1_0(fh, {"descr": "<i8", "fortran_order": False,
                                                           "shape": (len(rows), seq_len)})
-                starts[str(path)] = fh.tell()
-                fh.truncate(starts[str(path)] + 8 * len(rows) * seq_len)
-        jobs += [(split == "train", {p: at + 8 * i * seq_len for p, at in starts.items()}, rows[i:i + CHUNK])
+                data_at[path] = fh.tell()
+                fh.truncate(data_at[path] + 8 * len(rows) * seq_len)
+        jobs += [(split == "train", {p: at + 8 * i * seq_len for p, at in data_at.items()}, rows[i:i + CHUNK])
                  for i in range(0, len(rows), CHUNK)]
     trained: list[int] = []  # each chunk's trained tokens
     _PLAN = plan  # forked workers inherit it (closures over open files: never pickled)
