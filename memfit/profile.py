@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from memfit import profile_trace
 from memfit.config import MemfitConfig
 from memfit.errors import ConfigError, TrackingError
 
@@ -115,7 +116,10 @@ def _profile_stack(cfg: MemfitConfig, base_model: torch.nn.Module, data: Any, de
     trainer = Trainer(cfg=cfg, plan=plan, model=model, data=data, device=device,
                       tracker=NullTracker(), checkpoints=None, identity={})
     model.train()
-    seconds = [_timed_step(trainer, device) for _ in range(steps - 1)]
+    seconds, tokens = [], []
+    for _ in range(steps - 1):
+        seconds.append(_timed_step(trainer, device))
+        tokens.append(trainer.step_counts[2])  # computed tokens: a DPO step's rows are cut to the longest pair
     tl = StepTimeline(model, device)
     tl.adopt([p for p in model.parameters()], "parameter")
     tl.adopt(list(model.buffers()), "buffer")
@@ -130,12 +134,15 @@ def _profile_stack(cfg: MemfitConfig, base_model: torch.nn.Module, data: Any, de
     summary.update(policy=plan.policy, description=plan.description, block_kinds=plan.block_kinds,
                    lora=plan.lora, precision=plan.precision, micro_batch_size=plan.micro_batch_size,
                    grad_accum_steps=plan.grad_accum_steps, predicted_peak_bytes=plan.predicted_peak_bytes,
-                   step_seconds=statistics.median(seconds[1:] or seconds))
+                   step_seconds=statistics.median(seconds[1:] or seconds), step_times=seconds,
+                   tokens_per_step=statistics.median(tokens[1:] or tokens),
+                   tokens_per_second=sum(tokens[1:] or tokens) / sum(seconds[1:] or seconds))
     files: dict[str, str] = {}
     if cuda_history:
         files.update(_cuda_memory_history(trainer, out, name))
     if trace:
         files.update(_profiler_trace(trainer, device, out, name))
+        summary["where"] = profile_trace.read(files[f"trace_{name}"])
     del trainer, model, tl
     gc.collect()
     if device.type == "cuda":
@@ -220,7 +227,12 @@ def _write_outputs(out: Path, workload: dict[str, Any], summaries: dict[str, dic
 def _section(name: str, s: dict[str, Any]) -> str:
     from memfit.memory.estimator.breakdown import markdown
 
-    return markdown(name, f"{s['description']}; {s['step_seconds']:.3f} s per step (median, untracked).", s)
+    text = markdown(name, f"{s['description']}; {s['step_seconds']:.3f} s per step (median, untracked), "
+                          f"{s['tokens_per_second']:,.0f} tokens/s computed.", s)
+    if "where" not in s:
+        return text
+    return "\n".join([text.rstrip("\n"), "", f"### Where the time of one traced step goes (`trace_{name}.json`)", "",
+                      *profile_trace.markdown(s["where"]), ""])
 
 
 def _log_to_mlflow(cfg: MemfitConfig, run: str, out: Path, summaries: dict[str, dict[str, Any]]) -> str:
@@ -244,7 +256,8 @@ def _log_to_mlflow(cfg: MemfitConfig, run: str, out: Path, summaries: dict[str, 
     for name, s in summaries.items():
         metrics.update({f"profile.{name}.peak_bytes": s["peak_bytes"],
                         f"profile.{name}.peak_activation_bytes": s["peak_activation_bytes"],
-                        f"profile.{name}.step_seconds": s["step_seconds"]})
+                        f"profile.{name}.step_seconds": s["step_seconds"],
+                        f"profile.{name}.tokens_per_second": s["tokens_per_second"]})
     tracker.log_metrics(metrics, step=0)
     tracker.set_tags({"memfit.profile.policies": ",".join(summaries)})
     tracker.log_artifact(out, "profile")

@@ -126,7 +126,7 @@ def profile(
     for name, s in result["policies"].items():
         typer.echo(f"{name:>10}: peak {s['peak_bytes'] / 1e6:9.2f} MB, "
                    f"activations {s['peak_activation_bytes'] / 1e6:9.2f} MB"
-                   f" peak, {s['step_seconds']:.3f} s/step")
+                   f" peak, {s['step_seconds']:.3f} s/step, {s['tokens_per_second']:,.0f} tokens/s")
     typer.echo(f"wrote {', '.join(Path(f).name for f in result['files'].values())} to {result['out_dir']}")
 
 

@@ -58,6 +58,12 @@ def test_profile_writes_table_json_and_pngs(profiled):
     assert max(full["timeline"]["activations"]) < max(none["timeline"]["activations"])
     assert full["allocated_bytes"]["recompute"] > 0 == none["allocated_bytes"]["recompute"]
     assert full["events"] > none["events"]
+    # Each timed step's time, and its computed tokens (plain blocks: every row full) over that time.
+    cfg = _config(profiled[0])
+    for s in (none, full):
+        assert s["tokens_per_step"] == cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
+        assert len(s["step_times"]) == 1 and s["step_times"][0] == s["step_seconds"] > 0
+        assert s["tokens_per_second"] == pytest.approx(s["tokens_per_step"] / s["step_seconds"])
 
 
 def test_per_module_activations_add_up_to_an_independent_total(profiled):
@@ -96,6 +102,8 @@ def test_trace_and_mlflow_run(profiled):
     run = client.get_run(printed["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["memfit.profile.policies"] == "none,full"
     assert run.data.metrics["profile.full.peak_bytes"] < run.data.metrics["profile.none.peak_bytes"]
+    assert run.data.metrics["profile.full.tokens_per_second"] == pytest.approx(printed["policies"]["full"][
+        "tokens_per_second"])
     logged = {a.path for a in client.list_artifacts(run.info.run_id, "profile")}
     assert {"profile/compare.png", "profile/profile.json", "profile/modules.md"} <= logged
 

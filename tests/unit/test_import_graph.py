@@ -128,8 +128,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("phase 5", ("memfit.evaluation", "memfit.release", "memfit.server")),
     # The spine, and the entry points of memfit's other processes (a torchrun rank, the tracking process),
     # which compose every layer below as the CLI does.
-    ("spine", ("memfit.preflight", "memfit.run_context", "memfit.phases", "memfit.profile", "memfit.cli",
-               "memfit.distributed.worker", "memfit.tracking.child")),
+    ("spine", ("memfit.preflight", "memfit.run_context", "memfit.phases", "memfit.profile", "memfit.profile_trace",
+               "memfit.cli", "memfit.distributed.worker", "memfit.tracking.child")),
 ]
 
 
