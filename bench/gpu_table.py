@@ -4,11 +4,12 @@
     python3 bench/gpu_table.py run --out DIR --dry-run                                  # tiny shapes on the CPU
 
 Random-weight Llama shapes are made on the device from configs/models/llama-3-8b/config.json (the 1B row:
-Llama-3.2-1B's widths) with a small tokenizer memfit trains; every row runs in a fresh process, so the truth,
-torch.cuda.max_memory_allocated over that whole process, is read outside memfit. memfit rows: `memfit profile`
-(real optimizer steps through the Trainer `memfit run` uses); estimates: `memfit estimate --device <gpu> --json`,
-run beside the GPU rows (they use the CPU). MFU: PaLM's FLOPs per token over the device's dense bf16 peak.
-Rows past the deadline are listed as not run; the table is written whatever happened.
+Llama-3.2-1B's widths) with a small tokenizer memfit trains; every row runs in a fresh process (bench/gpu_rows.py,
+where the rows are), so the truth, torch.cuda.max_memory_allocated over that whole process, is read outside
+memfit. memfit rows: `memfit profile` (real optimizer steps through the Trainer `memfit run` uses); estimates:
+`memfit estimate --device <gpu> --json`, run beside the GPU rows (they use the CPU). MFU: PaLM's FLOPs per token
+over the device's dense bf16 peak. After the table: the issue's goals as ratios, and where the time of the default,
+DPO and DPO-twin steps goes. Rows past the deadline are listed as not run; the table is written whatever happened.
 """
 
 from __future__ import annotations
@@ -18,181 +19,30 @@ import datetime
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SHAPES = {  # config.json overrides of Llama-3-8B's; the dry run's are tiny
-    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "tie_word_embeddings": True},
-    "8b": {},
-}
-DRY_SHAPES = {"1b": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True},
-              "8b": {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "vocab_size": 512}}
-JOB = {"1b": (4, 2048), "8b": (2, 2048)}  # micro-batch x sequence
-DRY_JOB = {"1b": (2, 64), "8b": (2, 64)}
-LORA = ["lora.enabled=true"]
-# (label, model, runner, policy, memfit overrides, CUDA only)
-ROWS = [
-    ("1B full FT, policy none (loss auto)", "1b", "memfit", "none", [], False),
-    ("1B full FT, none, plain loss + adamw-fused", "1b", "memfit", "none",
-     ["memory.loss=plain", "memory.optimizer=adamw-fused"], False),
-    ("1B full FT, none, fused loss (Liger)", "1b", "memfit", "none", ["memory.loss=fused"], False),
-    ("hand-written loop (HF model, autocast, fused AdamW, clip)", "1b", "bare", "none", [], False),
-    ("TRL SFTTrainer (same job, no checkpointing)", "1b", "trl", "none", [], False),
-    ("1B full FT, policy full", "1b", "memfit", "full", [], False),
-    ("1B full FT, full, adamw-cpu-offload", "1b", "memfit", "full", ["memory.optimizer=adamw-cpu-offload"], True),
-    ("1B LoRA, policy full", "1b", "memfit", "full", LORA, False),
-    ("8B LoRA, policy full, micro 2 x 2048", "8b", "memfit", "full", LORA, False),
-    ("8B LoRA, policy offload", "8b", "memfit", "offload", LORA, True),
-]
+from gpu_rows import (
+    DEFAULT,
+    DPO_ROW,
+    DPO_TWIN,
+    DRY_JOB,
+    DRY_SHAPES,
+    JOB,
+    LOOP,
+    REPO,
+    ROWS,
+    SHAPES,
+    TRACED,
+    TRL,
+    TWIN,
+    sets,
+    twin_sets,
+)
 
-
-def _device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _sets(model_dir: str, model: str, dry: bool, extra: list[str]) -> list[str]:
-    micro, seq = (DRY_JOB if dry else JOB)[model]
-    precision = "fp32" if dry else "bf16-mixed"
-    return [f"model.name_or_path={model_dir}", "model.preset=null", "tracking.backend=null",
-            f"data.seq_len={seq}", f"train.batch_size={micro}", "train.grad_accum_steps=1",
-            f"train.precision={precision}", *extra]
-
-
-# -- children: each prints one ROW line ----------------------------------------------------------------------
-def gen(out: str, model: str, dry: bool) -> None:
-    """A random-weight bf16 folder of the shape, made on the device, with a tokenizer memfit trains."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from memfit.data.synthetic import synthetic_corpus
-    from memfit.models.loading import train_tokenizer
-
-    t0 = time.time()
-    shape = json.loads((REPO / "configs" / "models" / "llama-3-8b" / "config.json").read_text())
-    shape.update((DRY_SHAPES if dry else SHAPES)[model])
-    cfg = LlamaConfig(**{k: v for k, v in shape.items() if k not in ("architectures", "transformers_version")})
-    with torch.device(_device()):
-        net = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    net.save_pretrained(out, max_shard_size="4GB")
-    train_tokenizer(synthetic_corpus(200, seed=0), 512, Path(out))
-    n = sum(p.numel() for p in net.parameters())
-    print("ROW " + json.dumps({"gen": model, "n_params": n, "seconds": time.time() - t0}), flush=True)
-
-
-def memfit_row(model_dir: str, model: str, policy: str, extra: list[str], dry: bool, work: str) -> dict:
-    import torch
-
-    from memfit import config
-    from memfit.profile import profile
-
-    cuda = torch.cuda.is_available()
-    cfg = config.load(None, [*_sets(model_dir, model, dry, extra), f"train.device={_device()}",
-                             f"run.work_dir={work}", f"checkpoint.uri={work}/ck"])
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    res = profile(cfg, out_dir=f"{work}/profile", steps=4, compare=[policy])
-    pol = res["policies"][policy]
-    real = torch.cuda.max_memory_allocated() if cuda else pol.get("peak_bytes", 0)
-    return {"peak_bytes": real, "step_s": pol.get("step_seconds"), "n_params": res["workload"]["n_params"],
-            "description": pol.get("description")}
-
-
-def bare_row(model_dir: str, model: str, dry: bool) -> dict:
-    """A plain PyTorch loop over the same HF model: fp32 weights, bf16 autocast (CUDA), fused AdamW, clip 1.0."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    dev = _device()
-    micro, seq = (DRY_JOB if dry else JOB)[model]
-    net = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
-    net.config.use_cache = False
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=dev == "cuda")
-    ids = torch.randint(0, 500, (micro, seq), generator=torch.Generator().manual_seed(0)).to(dev)
-    times = []
-    for _ in range(6):
-        _sync()
-        t = time.perf_counter()
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-            loss = net(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync()
-        times.append(time.perf_counter() - t)
-    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else 0
-    return {"peak_bytes": peak, "step_s": statistics.median(times[2:]), "n_params": net.num_parameters()}
-
-
-def trl_row(model_dir: str, model: str, dry: bool, work: str) -> dict:
-    """TRL's SFTTrainer on the same rows (pre-tokenized, no packing, no checkpointing, bf16, fused AdamW)."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
-
-    dev = _device()
-    micro, seq = (DRY_JOB if dry else JOB)[model]
-    times: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, *args, **kwargs):
-            _sync()
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *args, **kwargs):
-            _sync()
-            times.append(time.perf_counter() - self.t)
-
-    net = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = torch.randint(0, 500, (micro * 6, seq), generator=torch.Generator().manual_seed(0))
-    args = SFTConfig(output_dir=work, per_device_train_batch_size=micro, max_steps=6, learning_rate=1e-5,
-                     bf16=dev == "cuda", gradient_checkpointing=False, max_length=seq, packing=False,
-                     optim="adamw_torch_fused" if dev == "cuda" else "adamw_torch", adam_beta2=0.95,
-                     max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=dev != "cuda",
-                     dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False,
-                     dataloader_num_workers=0, model_init_kwargs=None)
-    trainer = SFTTrainer(model=net, args=args, train_dataset=Dataset.from_dict({"input_ids": ids.tolist()}),
-                         processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Clock()])
-    if dev == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else 0
-    return {"peak_bytes": peak, "step_s": statistics.median(times[2:] or times), "n_params": net.num_parameters()}
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def child(argv: list[str]) -> None:
-    kind, model_dir, model, dry = argv[0], argv[1], argv[2], argv[3] == "dry"
-    t0 = time.time()
-    try:
-        if kind == "gen":
-            return gen(model_dir, model, dry)
-        if kind == "memfit":
-            row = memfit_row(model_dir, model, argv[4], json.loads(argv[5]), dry, argv[6])
-        elif kind == "bare":
-            row = bare_row(model_dir, model, dry)
-        else:
-            row = trl_row(model_dir, model, dry, argv[6])
-    except Exception as err:  # noqa: BLE001 - a row's failure is a cell of the table, not the end of it
-        row = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
-    row["wall_s"] = time.time() - t0
-    print("ROW " + json.dumps(row), flush=True)
+ROWS_SCRIPT = str(Path(__file__).with_name("gpu_rows.py"))
 
 
 # -- the driver ----------------------------------------------------------------------------------------------
@@ -234,9 +84,9 @@ def _collect(proc: subprocess.Popen, timeout: float, log: Path) -> dict:
 
 def _estimate(model_dir: str, model: str, policy: str, extra: list[str], dry: bool, gpu: str | None
               ) -> subprocess.Popen:
-    sets = [x for s in _sets(model_dir, model, dry, extra) for x in ("--set", s)]
+    args = [x for s in sets(model_dir, model, dry, extra) for x in ("--set", s)]
     return _spawn(["-m", "memfit.cli", "estimate", "--policy", policy, *(["--device", gpu] if gpu else []),
-                   *sets, "--json"], background=True)
+                   *args, "--json"], background=True)
 
 
 def _versions() -> dict[str, str]:
@@ -268,7 +118,7 @@ def run(out: Path, dry: bool, deadline_s: float, doc: Path | None) -> Path:
     peak_flops = profile_for_report({"type": "cuda", "name": gpu_name}).flops_per_s("bfloat16") if cuda else None
     mode = "dry" if dry else "real"
     dirs = {m: str(out / f"model-{m}") for m in ("1b", "8b")}
-    gens = {"1b": _collect(_spawn([__file__, "child", "gen", dirs["1b"], "1b", mode]), 300, log)}
+    gens = {"1b": _collect(_spawn([ROWS_SCRIPT, "gen", dirs["1b"], "1b", mode]), 300, log)}
     estimates = {i: _estimate(dirs[r[1]], r[1], r[3], r[4], dry, target) for i, r in enumerate(ROWS)
                  if r[2] == "memfit" and r[1] == "1b"}  # the 8B ones once its folder exists
     results: dict[int, dict] = {}
@@ -281,12 +131,21 @@ def run(out: Path, dry: bool, deadline_s: float, doc: Path | None) -> Path:
             results[i] = {"error": "not run (the kit's time ran out)"}
             continue
         if model not in gens:
-            gens[model] = _collect(_spawn([__file__, "child", "gen", dirs[model], model, mode]), min(left, 120), log)
+            gens[model] = _collect(_spawn([ROWS_SCRIPT, "gen", dirs[model], model, mode]), min(left, 120), log)
             estimates.update({j: _estimate(dirs[r[1]], r[1], r[3], r[4], dry, target) for j, r in enumerate(ROWS)
                               if r[2] == "memfit" and r[1] == model})
+        if runner == TWIN:
+            extra = twin_sets(extra, results.get(DPO_ROW, {}))
+            if extra is None:
+                results[i] = {"error": "no DPO row to match"}
+                continue
+            estimates[i] = _estimate(dirs[model], model, policy, extra, dry, target)
+            runner = "memfit"
         work = str(out / f"work-{i}")
-        args = [__file__, "child", runner, dirs[model], model, mode, policy, json.dumps(extra), work]
+        args = [ROWS_SCRIPT, runner, dirs[model], model, mode, policy, json.dumps(extra), work,
+                "traced" if i in TRACED else "-"]
         results[i] = _collect(_spawn(args), min(left, 240), log)
+        results[i]["sets"] = extra
     for i, proc in estimates.items():
         est = _collect(proc, max(deadline_s - (time.time() - t0), 5), log)
         results[i]["estimate_bytes"] = est.get("total_bytes") if "error" not in est else None
@@ -314,7 +173,11 @@ def _render(results: dict[int, dict], gpu: str, peak_flops: float | None, dry: b
         micro, seq = (DRY_JOB if dry else JOB)[model]
         shape = {**json.loads((REPO / "configs/models/llama-3-8b/config.json").read_text()),
                  **(DRY_SHAPES if dry else SHAPES)[model]}
-        tps = micro * seq / r["step_s"] if r.get("step_s") else None
+        # The step's computed tokens where the row measured them (a DPO batch is cut to its longest pair).
+        tokens = r.get("tokens_per_step") or micro * seq
+        if r.get("rows_per_step"):
+            seq = max(1, round(tokens / r["rows_per_step"]))
+        tps = tokens / r["step_s"] if r.get("step_s") else None
         fpt = flops_per_token(r.get("n_params") or shapes.get(model) or 0, shape["num_hidden_layers"],
                               shape["hidden_size"], seq)
         mfu = f"{fpt * tps / peak_flops:.1%}" if tps and peak_flops else "—"
@@ -324,6 +187,7 @@ def _render(results: dict[int, dict], gpu: str, peak_flops: float | None, dry: b
                  f"{pred:.3f}" if pred else "—", f"{tps / 1e3:.1f}k" if tps else "—", mfu]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     v = _versions()
+    lines += [""] + _verdicts(results, dry) + _where(results)
     head = [f"# memfit on a GPU{' (dry run: tiny shapes on the CPU)' if dry else ''}", "",
             f"Measured {datetime.date.today().isoformat()} on {gpu} by `bash bench/gpu_kit.sh run` "
             f"({seconds:.0f} s); " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".", "",
@@ -331,17 +195,59 @@ def _render(results: dict[int, dict], gpu: str, peak_flops: float | None, dry: b
             "Llama-3.2-1B's widths, tied head), micro-batch x sequence 4 x 2048 (8B: 2 x 2048), bf16-mixed. The "
             "real peak is torch.cuda.max_memory_allocated over the row's own process; the estimate is `memfit "
             "estimate --device <gpu> --policy P`; s/step the median of memfit profile's timed steps (the loop's "
-            "and TRL's: of steps 3-6). MFU: PaLM FLOPs per token over the dense bf16 peak.", "",
+            "and TRL's: of steps 3-6). MFU: PaLM FLOPs per token over the dense bf16 peak. The DPO row: 4 synthetic "
+            "pairs a step (8 rows, cut to the batch's longest pair), dpo.reference auto; its estimate plans for the "
+            "data's longest pair (the batch the plan must fit), its real peak is over the batches it drew, and its "
+            "tokens are the rows x width computed (the reference's forward not counted in MFU); the SFT row after "
+            "it trains that many rows of that width. Timed steps below: the first builds the optimizer state.", "",
             "Made by `bash bench/gpu_kit.sh prepare` (here: the wheels the device image lacks, `.whl/`, 25 MiB), then "
             "one device run of `bash bench/gpu_kit.sh run` (carry `.whl`, at most 8 minutes: `pytest -m gpu`, then "
             "`bench/gpu_table.py`); `bash bench/gpu_kit.sh dry` runs the table on tiny shapes on a CPU.", ""]
     return "\n".join(head + lines) + "\n"
 
 
+def _verdicts(results: dict[int, dict], dry: bool) -> list[str]:
+    """The issue's goals, each as the ratio the rows give (or why it is missing)."""
+    def step(i: int) -> float | None:
+        return results.get(i, {}).get("step_s")
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.3f}" if a and b else "not measured"
+
+    tps8 = next((r["tokens_per_step"] / r["step_s"] for i, r in results.items()
+                 if ROWS[i][0].startswith("8B LoRA, policy full") and r.get("step_s") and r.get("tokens_per_step")),
+                None)
+    pred = [r["predicted_step_s"] / r["step_s"] for r in results.values()
+            if r.get("predicted_step_s") and r.get("step_s")]
+    out = [f"- memfit's default step against the hand-written loop (loop s / memfit s; goal >= 0.98): "
+           f"{ratio(step(LOOP), step(DEFAULT))}",
+           f"- TRL's SFTTrainer against memfit's default step (TRL s / memfit s): {ratio(step(TRL), step(DEFAULT))}",
+           f"- a DPO step against an SFT step on the same rows x width (goal <= 3): "
+           f"{ratio(step(DPO_ROW), step(DPO_TWIN))}",
+           f"- 8B LoRA, full checkpointing: {f'{tps8 / 1e3:.2f}k tokens/s' if tps8 else 'not measured'} "
+           "(goal >= 9k on an H200)",
+           f"- predicted / measured step time over {len(pred)} rows: " +
+           (f"{min(pred):.2f} to {max(pred):.2f} (goal within 0.85-1.15)" if pred else "not measured")]
+    return out + (["- (a dry run: tiny shapes on a CPU, so these ratios say nothing of a GPU)"] if dry else [])
+
+
+def _where(results: dict[int, dict]) -> list[str]:
+    """Per traced row: each timed step's seconds, then where one step's time went (memfit profile's trace)."""
+    from memfit.profile_trace import markdown
+
+    out: list[str] = []
+    for i in TRACED:
+        r = results.get(i, {})
+        if "step_times" not in r:
+            continue
+        out += ["", f"### Where the time goes: {ROWS[i][0]}", "",
+                "Timed steps (s): " + ", ".join(f"{t:.3f}" for t in r["step_times"]) + "."]
+        if r.get("where"):
+            out += ["", *markdown(r["where"])]
+    return out
+
+
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "child":
-        sys.path.insert(0, str(REPO))
-        return child(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("command", choices=["run"])
     ap.add_argument("--out", type=Path, required=True)

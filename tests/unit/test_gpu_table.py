@@ -41,3 +41,27 @@ def test_a_childs_output_becomes_its_row(printed, expected, tmp_path):
                             stderr=subprocess.STDOUT, text=True)
     assert gpu_table._collect(proc, 30, tmp_path / "log") == expected
     assert (tmp_path / "log").read_text() == printed
+
+
+def test_the_dpo_row_is_weighed_against_sft_on_the_same_rows_and_width():
+    dpo = {"step_s": 0.30, "tokens_per_step": 8 * 180, "rows_per_step": 8, "n_params": 1_235_814_400,
+           "step_times": [0.9, 0.31, 0.30, 0.29, 0.30],
+           "where": {"top_kernels_ms": [[41.5, "gemm"]], "top_host_ops_self_ms": [[12.0, "aten::mm"]],
+                     "host_ops_ms": 30.0, "gpu_busy_ms": 60.0, "gpu_span_ms": 280.0, "kernels": 4100}}
+    # The twin trains 8 rows of 180 tokens: the DPO step's computed tokens.
+    assert gpu_table.twin_sets(["lora.enabled=true"], dpo) == [
+        "lora.enabled=true", "train.batch_size=8", "data.seq_len=180"]
+    assert gpu_table.twin_sets([], {"error": "boom"}) is None
+    results = {gpu_table.DPO_ROW: dpo, gpu_table.DPO_TWIN: {"step_s": 0.12, "tokens_per_step": 1440},
+               gpu_table.LOOP: {"step_s": 0.187}, gpu_table.DEFAULT: {"step_s": 0.236, "tokens_per_step": 8192}}
+    table = gpu_table._render(results, "NVIDIA H200", 989e12, False, {}, flops_per_token, 12.0)
+    assert "- a DPO step against an SFT step on the same rows x width (goal <= 3): 2.500" in table
+    assert "- memfit's default step against the hand-written loop (loop s / memfit s; goal >= 0.98): 0.792" in table
+    assert "- 8B LoRA, full checkpointing: not measured" in table
+    # tokens/s of the DPO row: its computed tokens (8 x 180) over its step, not the job's 4 x 2048
+    row = next(line for line in table.splitlines() if line.startswith("| 1B LoRA DPO"))
+    assert "| 0.300 | — | 4.8k |" in row
+    where = table.split("### Where the time goes: 1B LoRA DPO")[1]
+    assert "Timed steps (s): 0.900, 0.310, 0.300, 0.290, 0.300." in where
+    assert "GPU kernels busy 60.0 ms of the 280.0 ms they span (4100 kernels)" in where
+    assert "| 41.50 | `gemm` |" in where
