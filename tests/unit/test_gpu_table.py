@@ -65,3 +65,11 @@ def test_the_dpo_row_is_weighed_against_sft_on_the_same_rows_and_width():
     assert "Timed steps (s): 0.900, 0.310, 0.300, 0.290, 0.300." in where
     assert "GPU kernels busy 60.0 ms of the 280.0 ms they span (4100 kernels)" in where
     assert "| 41.50 | `gemm` |" in where
+
+
+def test_the_clock_check_names_the_factor_that_would_fit_the_rows():
+    results = {0: {"step_s": 0.236, "predicted_step_s": 0.382}, 1: {"step_s": 0.188, "predicted_step_s": 0.298}}
+    table = gpu_table._render(results, "NVIDIA H200", 989e12, False, {}, flops_per_token, 1.0)
+    assert "- predicted / measured step time over 2 rows: 1.59 to 1.62 (goal within 0.85-1.15)" in table
+    # FACTS' rows ran 1.619x and 1.585x slow: 1 / sqrt(1.619 x 1.585) = 0.624 brings both to within 1 % of 1
+    assert "fits these rows best (geometric): x0.624, leaving 0.99 to 1.01" in table
