@@ -38,6 +38,9 @@ def where_time_goes(trace: dict[str, Any], top: int = TOP) -> dict[str, Any]:
             by_op[e["name"]] = by_op.get(e["name"], 0.0) + max(t, 0.0)
     out: dict[str, Any] = {"top_kernels_ms": _top(by_kernel, top), "top_host_ops_self_ms": _top(by_op, top),
                            "host_ops_ms": round(sum(by_op.values()) / 1e3, 3)}
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    if ops:  # what the host's ops span: much more than their self times is host time outside torch's ops (Python)
+        out["host_span_ms"] = round((max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)) / 1e3, 3)
     if kernels:
         out["kernels"] = len(kernels)
         out["gpu_busy_ms"] = round(_union(kernels) / 1e3, 3)
@@ -51,12 +54,13 @@ def read(path: str | Path) -> dict[str, Any]:
 
 def markdown(where: dict[str, Any]) -> list[str]:
     """The summary as modules.md shows it: one line of totals, then the two top lists as tables."""
-    lines = []
+    host = f"host ops {where['host_ops_ms']:.1f} ms (self time, summed over threads)" + (
+        f" in the {where['host_span_ms']:.1f} ms they span" if "host_span_ms" in where else "")
     if "gpu_busy_ms" in where:
-        lines.append(f"GPU kernels busy {where['gpu_busy_ms']:.1f} ms of the {where['gpu_span_ms']:.1f} ms they span "
-                     f"({where['kernels']} kernels); host ops {where['host_ops_ms']:.1f} ms (self time, summed).")
+        lines = [f"GPU kernels busy {where['gpu_busy_ms']:.1f} ms of the {where['gpu_span_ms']:.1f} ms they span "
+                 f"({where['kernels']} kernels); {host}."]
     else:
-        lines.append(f"Host ops {where['host_ops_ms']:.1f} ms (self time, summed).")
+        lines = [host[0].upper() + host[1:] + "."]
     for key, title in (("top_kernels_ms", "kernel"), ("top_host_ops_self_ms", "host op, self time")):
         if where.get(key):
             lines += ["", f"| ms | {title} |", "|---:|---|"]

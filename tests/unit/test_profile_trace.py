@@ -20,6 +20,8 @@ def test_nested_host_ops_count_their_own_time_once():
     assert dict((name, ms) for ms, name in where["top_host_ops_self_ms"]) == {
         "aten::addmm": 0.11, "aten::mul": 0.05, "aten::linear": 0.02, "aten::copy_": 0.01}
     assert where["host_ops_ms"] == 0.19  # the two threads' self times: 140 + 50 us
+    assert where["host_span_ms"] == 0.24  # from the first op's start to the last one's end
+    assert markdown(where)[0] == "Host ops 0.2 ms (self time, summed over threads) in the 0.2 ms they span."
     assert "gpu_busy_ms" not in where
 
 
@@ -30,7 +32,8 @@ def test_kernels_busy_time_is_their_union_and_the_span_shows_the_gaps():
     assert where["gpu_busy_ms"] == 0.6 and where["gpu_span_ms"] == 2.1 and where["kernels"] == 3
     assert where["top_kernels_ms"] == [[0.6, "gemm"], [0.1, "softmax"]]
     text = "\n".join(markdown(where))
-    assert "GPU kernels busy 0.6 ms of the 2.1 ms they span (3 kernels)" in text
+    assert text.startswith("GPU kernels busy 0.6 ms of the 2.1 ms they span (3 kernels); host ops 0.1 ms (self "
+                           "time, summed over threads) in the 0.1 ms they span.")
     assert "| 0.60 | `gemm` |" in text
 
 
