@@ -103,7 +103,8 @@ def memfit_row(model_dir: str, model: str, policy: str, extra: list[str], dry: b
     real = torch.cuda.max_memory_allocated() if cuda else pol.get("peak_bytes", 0)
     row = {"peak_bytes": real, "step_s": pol.get("step_seconds"), "n_params": res["workload"]["n_params"],
            "description": pol.get("description"), "tokens_per_step": pol.get("tokens_per_step"),
-           "step_times": pol.get("step_times"), "rows_per_step": cfg.train.micro_batch_size
+           "step_times": pol.get("step_times"), "reference": pol.get("reference"),
+           "rows_per_step": cfg.train.micro_batch_size
            * cfg.train.grad_accum_steps * (2 if cfg.train.objective == "dpo" else 1)}
     if traced and pol.get("where"):
         row["where"] = pol["where"]

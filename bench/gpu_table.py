@@ -246,8 +246,9 @@ def _where(results: dict[int, dict]) -> list[str]:
         r = results.get(i, {})
         if "step_times" not in r:
             continue
+        ref = f" dpo.reference ran as {r['reference']}." if r.get("reference") else ""
         out += ["", f"### Where the time goes: {ROWS[i][0]}", "",
-                "Timed steps (s): " + ", ".join(f"{t:.3f}" for t in r["step_times"]) + "."]
+                "Timed steps (s): " + ", ".join(f"{t:.3f}" for t in r["step_times"]) + "." + ref]
         if r.get("where"):
             out += ["", *markdown(r["where"])]
     return out

@@ -135,7 +135,8 @@ def _profile_stack(cfg: MemfitConfig, base_model: torch.nn.Module, data: Any, de
                    lora=plan.lora, precision=plan.precision, micro_batch_size=plan.micro_batch_size,
                    grad_accum_steps=plan.grad_accum_steps, predicted_peak_bytes=plan.predicted_peak_bytes,
                    step_seconds=statistics.median(seconds[1:] or seconds), step_times=seconds,
-                   tokens_per_step=statistics.median(tokens[1:] or tokens),
+                   tokens_per_step=statistics.median(tokens[1:] or tokens), objective=cfg.train.objective,
+                   reference=getattr(getattr(trainer.loss, "reference", None), "name", None),
                    tokens_per_second=sum(tokens[1:] or tokens) / sum(seconds[1:] or seconds))
     files: dict[str, str] = {}
     if cuda_history:
@@ -227,7 +228,8 @@ def _write_outputs(out: Path, workload: dict[str, Any], summaries: dict[str, dic
 def _section(name: str, s: dict[str, Any]) -> str:
     from memfit.memory.estimator.breakdown import markdown
 
-    text = markdown(name, f"{s['description']}; {s['step_seconds']:.3f} s per step (median, untracked), "
+    dpo = f"dpo (reference {s['reference']}); " if s.get("objective") == "dpo" else ""
+    text = markdown(name, f"{dpo}{s['description']}; {s['step_seconds']:.3f} s per step (median, untracked), "
                           f"{s['tokens_per_second']:,.0f} tokens/s computed.", s)
     if "where" not in s:
         return text

@@ -45,7 +45,7 @@ def test_a_childs_output_becomes_its_row(printed, expected, tmp_path):
 
 def test_the_dpo_row_is_weighed_against_sft_on_the_same_rows_and_width():
     dpo = {"step_s": 0.30, "tokens_per_step": 8 * 180, "rows_per_step": 8, "n_params": 1_235_814_400,
-           "step_times": [0.9, 0.31, 0.30, 0.29, 0.30],
+           "step_times": [0.9, 0.31, 0.30, 0.29, 0.30], "reference": "adapter_off",
            "where": {"top_kernels_ms": [[41.5, "gemm"]], "top_host_ops_self_ms": [[12.0, "aten::mm"]],
                      "host_ops_ms": 30.0, "gpu_busy_ms": 60.0, "gpu_span_ms": 280.0, "kernels": 4100}}
     # The twin trains 8 rows of 180 tokens: the DPO step's computed tokens.
@@ -62,7 +62,7 @@ def test_the_dpo_row_is_weighed_against_sft_on_the_same_rows_and_width():
     row = next(line for line in table.splitlines() if line.startswith("| 1B LoRA DPO"))
     assert "| 0.300 | — | 4.8k |" in row
     where = table.split("### Where the time goes: 1B LoRA DPO")[1]
-    assert "Timed steps (s): 0.900, 0.310, 0.300, 0.290, 0.300." in where
+    assert "Timed steps (s): 0.900, 0.310, 0.300, 0.290, 0.300. dpo.reference ran as adapter_off." in where
     assert "GPU kernels busy 60.0 ms of the 280.0 ms they span (4100 kernels)" in where
     assert "| 41.50 | `gemm` |" in where
 
