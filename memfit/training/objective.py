@@ -27,11 +27,13 @@ TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewa
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed, count) of each row's trained-token log-probs: the token at t+1 predicted at t, labels -100 skipped.
-    In fp32 (the logits upcast), as TRL and the causal-LM loss compute them."""
-    labels = labels[:, 1:]
-    mask = labels != -100
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    token = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    In fp32 (the logits upcast), as TRL and the causal-LM loss compute them. The labels move one to the left (the
+    last position predicts nothing) rather than the logits being cut: cutting [rows, seq, vocab] logits costs a
+    copy of them forward and a zeroed gradient of their whole size backward."""
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    mask = shifted != -100
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    token = logp.gather(-1, shifted.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return (token * mask).sum(-1), mask.sum(-1)
 
 
@@ -43,11 +45,45 @@ def concatenated(batch: Batch) -> Batch:
 
 
 def policy_logps(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probs, completion tokens) of chosen + rejected rows, [2 x pairs] each, from ONE forward."""
+    """(summed log-probs, completion tokens) of chosen + rejected rows, [2 x pairs] each, from ONE forward.
+    The head runs only from the first position that predicts a completion token in any row (transformers'
+    logits_to_keep, where the model takes it): a prompt's logits are never read, and over a large vocabulary they
+    are most of a pair's logits (their log-softmax, its memory and its backward too)."""
     both = concatenated(batch)
     labels = both.pop("labels")
-    logits = model(**both, use_cache=False).logits
-    return sequence_logps(logits, labels)
+    start = first_predicting(labels) if keeps_logits(model) else 0
+    if start == 0:
+        return sequence_logps(model(**both, use_cache=False).logits, labels)
+    logits = model(**both, use_cache=False, logits_to_keep=labels.shape[1] - start).logits
+    return sequence_logps(logits, labels[:, start:])
+
+
+def first_predicting(labels: torch.Tensor) -> int:
+    """The first position whose logits predict a trained label in some row (labels[t+1] is predicted at t)."""
+    trained = labels[:, 1:] != -100
+    width = trained.shape[1]
+    first = torch.where(trained.any(dim=1), trained.int().argmax(dim=1), width)  # width: a row with none
+    start = int(first.min())  # one read from the device a forward
+    return 0 if start >= width else start
+
+
+def keeps_logits(model: nn.Module) -> bool:
+    """Whether the causal LM under the wrappers (DDP, FSDP2, peft, DeepSpeed) takes logits_to_keep."""
+    import inspect
+
+    found = getattr(model, "_memfit_keeps_logits", None)
+    if found is None:
+        inner = model
+        for _ in range(6):
+            if hasattr(inner, "get_base_model"):
+                inner = inner.get_base_model()
+            elif isinstance(getattr(inner, "module", None), nn.Module):
+                inner = inner.module
+            else:
+                break
+        found = "logits_to_keep" in inspect.signature(inner.forward).parameters
+        model.__dict__["_memfit_keeps_logits"] = found
+    return found
 
 
 class Reference:

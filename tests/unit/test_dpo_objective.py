@@ -110,3 +110,48 @@ def test_two_micro_batches_give_the_gradient_of_one_batch():
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert float(grads[0].abs().max()) > 1e-4
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
+def _reference_logps(model, batch):
+    """Summed trained-token log-probs computed the plain way: every position's logits, cut, log-softmax, gather."""
+    from memfit.training.objective import concatenated
+
+    both = concatenated(batch)
+    labels = both.pop("labels")
+    logp = torch.log_softmax(model(**both).logits[:, :-1].float(), dim=-1)
+    token = logp.gather(-1, labels[:, 1:].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (token * (labels[:, 1:] != -100)).sum(-1)
+
+
+def test_the_head_runs_only_from_the_first_completion_and_the_log_probs_are_unchanged():
+    from memfit.training.objective import policy_logps
+
+    model = _model().eval()
+    batch = _batch(width=12)
+    batch["labels"][1, :7] = -100  # a longer prompt: the shortest one (4) still decides where the head starts
+    batch["rejected_labels"][:, :6] = -100
+    seen = []
+    model.lm_head.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[1]))
+    summed, counts = policy_logps(model, batch)
+    assert seen == [12 - 3]  # label 4 is predicted at position 3: the prompt's first three positions skip the head
+    assert torch.allclose(summed, _reference_logps(model, batch), atol=1e-5, rtol=0)
+    assert counts.tolist() == [8, 5, 8, 6, 6, 6]
+
+
+def test_rows_without_a_completion_and_models_without_logits_to_keep_get_every_logit():
+    from memfit.training.objective import first_predicting, policy_logps
+
+    assert first_predicting(torch.full((2, 5), -100)) == 0  # nothing trained: nothing to cut
+    assert first_predicting(torch.tensor([[-100] * 5, [-100, -100, -100, 7, 8]])) == 2  # the empty row is ignored
+
+    class NoKeep(torch.nn.Module):  # a causal LM whose forward takes no logits_to_keep (remote code, say)
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _model().eval()
+
+        def forward(self, input_ids, attention_mask=None, use_cache=False):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+    model = NoKeep()
+    summed, _ = policy_logps(model, _batch())
+    assert torch.allclose(summed, _reference_logps(model.inner, _batch()), atol=1e-5, rtol=0)
