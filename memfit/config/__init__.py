@@ -129,7 +129,8 @@ class MemoryConfig(_Section):
         "backward, so no full-vocabulary logits are ever alive; fused: Liger's fused linear cross-entropy (CUDA, "
         "pip install liger-kernel): chunked without the recompute, the gradients made in forward (elsewhere one "
         "line says why and the next best runs). auto: the memory planner's choice where it searches, else from "
-        "32768 vocabulary entries on fused on CUDA with liger-kernel, else chunked; below that plain.")
+        "32768 vocabulary entries on fused on CUDA with liger-kernel, else chunked; below that plain. "
+        "train.objective dpo: plain (its log-probs come from the logits; chunked and fused are refused).")
     loss_chunk_tokens: int = Field(
         1024, ge=16, le=1_048_576, description="chunked loss: tokens per chunk of the LM head and cross-entropy.")
     optimizer: Literal["auto", "adamw", "adamw-fused", "adamw-8bit", "adamw-cpu-offload"] = Field(
@@ -408,6 +409,9 @@ class MemfitConfig(_Section):
                              "train.objective is sft; drop the rule or train with train.objective: dpo")
         if not dpo:
             return self
+        if self.memory.loss in ("chunked", "fused"):
+            raise ValueError(f"memory.loss: {self.memory.loss} is a next-token loss, and train.objective dpo takes "
+                             "its log-probs from the logits the head keeps (plain); leave memory.loss auto or plain")
         if self.dpo.reference == "adapter_off" and self.lora.enabled is False:
             raise ValueError("dpo.reference: adapter_off disables the LoRA adapters for the reference, and "
                              "lora.enabled is false; enable LoRA or use dpo.reference copy or precompute")

@@ -96,3 +96,15 @@ def test_dpo_is_planned_for_the_datas_longest_pair_when_the_data_is_known(tmp_pa
     cfg_bare = config.load(REPO / "configs" / "dpo-tiny.yaml", [*sets, f"model.name_or_path={bare}",
                                                                  "model.preset=null"])
     assert pair_length.planned_seq_len(cfg_bare) == 512  # no tokenizer here: the worst case
+
+
+def test_a_dpo_stack_is_traced_with_the_logits_it_forms_whatever_its_loss_says():
+    # A chunked-loss stack would trace no full-vocabulary logits; a DPO step forms them (training/objective.py).
+    hf = copy.deepcopy(tiny("llama").config)
+    dpo = SimpleNamespace(reference="precompute", loss_type="sigmoid")
+    est = Estimator(hf, SEQ, PROFILES["cpu"], dpo=dpo)
+    chunked, plain = (Stack("fp32", PAIRS, 1, False, loss=loss) for loss in ("chunked", "plain"))
+    assert est.resolved(chunked).loss == "plain"
+    assert est.estimate(chunked, ["none"] * 4).peak_bytes == est.estimate(plain, ["none"] * 4).peak_bytes
+    sft = Estimator(hf, SEQ, PROFILES["cpu"])
+    assert sft.resolved(chunked).loss == "chunked"  # a next-token step keeps its loss

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from memfit.errors import ConfigError
 from memfit.memory.estimator.preference import coverage, reference_mode
 
 pytestmark = pytest.mark.unit
@@ -30,3 +31,18 @@ def test_an_explicit_setting_and_the_reference_free_loss_are_kept():
     assert reference_mode("adapter_off", "ipo", lora=True, coverage=10.0) == "adapter_off"
     assert reference_mode("auto", "simpo", lora=False, coverage=10.0) == "none"
     assert coverage(5, 4, 0) == 20.0  # no pairs counted yet: no division by zero
+
+
+def test_a_dpo_plan_counts_the_logits_it_forms_and_refuses_a_next_token_loss():
+    """DPO's log-probs come from the logits: the estimate traces the plain loss whatever the stack says, the search
+    does not weigh memory.loss, and chunked/fused set explicitly are refused in one line."""
+    from memfit import config
+    from memfit.memory.planner.candidates import technique_choices
+
+    dpo = ["train.objective=dpo", "data.format=preference"]
+    assert "loss" not in technique_choices(config.load(None, dpo))
+    assert "loss" in technique_choices(config.load(None, []))
+    for loss in ("chunked", "fused"):
+        with pytest.raises(ConfigError, match=f"memory.loss: {loss} is a next-token loss, and train.objective dpo"):
+            config.load(None, [*dpo, f"memory.loss={loss}"])
+    config.load(None, [*dpo, "memory.loss=plain"])

@@ -317,7 +317,9 @@ class Estimator:
         from memfit.memory.techniques.optim import resolve_optimizer
 
         vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
-        return replace(stack, loss=resolve_loss(stack.loss, vocab, device_type=self.profile.kind),
+        # DPO forms its log-probs from the logits (training/objective.py): the plain loss's trace is their twin.
+        loss = "plain" if self.dpo is not None else resolve_loss(stack.loss, vocab, device_type=self.profile.kind)
+        return replace(stack, loss=loss,
                        optimizer=resolve_optimizer(stack.optimizer, self.profile.kind))
 
     def kind_trace(self, stack: Stack, kind: str) -> KindTrace:

@@ -28,7 +28,8 @@ def technique_choices(cfg: Any, profile: DeviceProfile | None = None) -> dict[st
 
     m = cfg.memory
     out: dict[str, tuple[Any, ...]] = {}
-    if m.loss == "auto" and cfg.distributed.world_size == 1:  # chunked runs in one process only
+    # chunked runs in one process only; DPO's log-probs come from the logits (plain), whatever memory.loss says
+    if m.loss == "auto" and cfg.distributed.world_size == 1 and cfg.train.objective != "dpo":
         fused = profile is not None and fused_unavailable(profile.kind) is None
         out["loss"] = TECHNIQUE_CHOICES["loss"] + (("fused",) if fused else ())
     # The step in backward needs every gradient of the step at once for a global clip: only without one.
