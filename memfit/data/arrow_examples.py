@@ -248,22 +248,29 @@ def example_lengths(data: DataConfig, tokenizer: Any, num_proc: int, cache_dir: 
     return lengths, trained, fmt_seen[0]
 
 
-def longest_pair(data: DataConfig, tokenizer: Any, cache_dir: str) -> int | None:
-    """The tokens of the longest side of any pair of data.path as rows hold it, read a slice at a time in this
-    process; None for the synthetic pairs."""
+def longest_pair(data: DataConfig, tokenizer: Any, cache_dir: str) -> tuple[int, int] | None:
+    """(the tokens of the longest side of any pair, the tokens of the shortest prompt before a trained token) of
+    data.path as rows hold them, read a slice at a time in this process; None for the synthetic pairs."""
     from memfit.data.formats import Corpus
     from memfit.data.pairs import check_kept, encode_sides
 
     if data.path is None:
         return None
     longest = kept = 0
+    shortest = data.seq_len
     for raw in _slices(data, cache_dir, quiet=True):
         examples, origins = raw.examples()
         chosen, rejected, index, _ = encode_sides(Corpus([], raw.fmt, examples, origins), tokenizer, data)
         longest = max([longest, *(len(ids) for ids, _ in chosen + rejected)])
+        shortest = min([shortest, *(prompt_tokens(labels) for _, labels in chosen + rejected)])
         kept += len(index)
     check_kept(kept, {"truncated": 0, "dropped": 0}, data)  # no pair left: the estimate says why in one line
-    return longest
+    return longest, shortest
+
+
+def prompt_tokens(labels: list[int]) -> int:
+    """The tokens before a side's first trained one (its prompt); its whole length when none is trained."""
+    return next((i for i, label in enumerate(labels) if label != -100), len(labels))
 
 
 def _encode_all(jobs: Iterator[Any], num_proc: int, sink: Any, work: Any = None) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from memfit.data.pairs import REJECTED
 from memfit.errors import ConfigError
+from memfit.memory.techniques.logps import first_predicting, keeps_logits, sequence_logps
 from memfit.memory.techniques.loss import Batch, LossPolicy, blocks_batch, make_loss
 
 log = logging.getLogger("memfit.train")
@@ -23,18 +24,6 @@ log = logging.getLogger("memfit.train")
 REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                "logps/rejected")
-
-
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed, count) of each row's trained-token log-probs: the token at t+1 predicted at t, labels -100 skipped.
-    In fp32 (the logits upcast), as TRL and the causal-LM loss compute them. The labels move one to the left (the
-    last position predicts nothing) rather than the logits being cut: cutting [rows, seq, vocab] logits costs a
-    copy of them forward and a zeroed gradient of their whole size backward."""
-    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
-    mask = shifted != -100
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    token = logp.gather(-1, shifted.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (token * mask).sum(-1), mask.sum(-1)
 
 
 def concatenated(batch: Batch) -> Batch:
@@ -56,34 +45,6 @@ def policy_logps(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Te
         return sequence_logps(model(**both, use_cache=False).logits, labels)
     logits = model(**both, use_cache=False, logits_to_keep=labels.shape[1] - start).logits
     return sequence_logps(logits, labels[:, start:])
-
-
-def first_predicting(labels: torch.Tensor) -> int:
-    """The first position whose logits predict a trained label in some row (labels[t+1] is predicted at t)."""
-    trained = labels[:, 1:] != -100
-    width = trained.shape[1]
-    first = torch.where(trained.any(dim=1), trained.int().argmax(dim=1), width)  # width: a row with none
-    start = int(first.min())  # one read from the device a forward
-    return 0 if start >= width else start
-
-
-def keeps_logits(model: nn.Module) -> bool:
-    """Whether the causal LM under the wrappers (DDP, FSDP2, peft, DeepSpeed) takes logits_to_keep."""
-    import inspect
-
-    found = getattr(model, "_memfit_keeps_logits", None)
-    if found is None:
-        inner = model
-        for _ in range(6):
-            if hasattr(inner, "get_base_model"):
-                inner = inner.get_base_model()
-            elif isinstance(getattr(inner, "module", None), nn.Module):
-                inner = inner.module
-            else:
-                break
-        found = "logits_to_keep" in inspect.signature(inner.forward).parameters
-        model.__dict__["_memfit_keeps_logits"] = found
-    return found
 
 
 class Reference:

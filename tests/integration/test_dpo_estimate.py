@@ -25,20 +25,23 @@ SEQ, PAIRS = 48, 4
 
 
 class _Pairs:
-    """run_step hands a loss policy {"input_ids", "labels"} of 2 x pairs rows: chosen first, rejected after."""
+    """run_step hands a loss policy {"input_ids", "labels"} of 2 x pairs rows: chosen first, rejected after; the
+    first `prompt` tokens of every row are a prompt (labels -100)."""
 
-    def __init__(self, objective: DpoObjective) -> None:
-        self.objective = objective
+    def __init__(self, objective: DpoObjective, prompt: int = 0) -> None:
+        self.objective, self.prompt = objective, prompt
 
     def __call__(self, model, batch):
         ids = batch["input_ids"]
+        labels = ids.clone()
+        labels[:, :self.prompt] = -100
         n = ids.shape[0] // 2
         return self.objective(model, {
-            "input_ids": ids[:n], "labels": ids[:n], "rejected_input_ids": ids[n:], "rejected_labels": ids[n:],
+            "input_ids": ids[:n], "labels": labels[:n], "rejected_input_ids": ids[n:], "rejected_labels": labels[n:],
             "ref_chosen_logps": torch.zeros(n), "ref_rejected_logps": torch.zeros(n)})
 
 
-def _measured(mode: str) -> int:
+def _measured(mode: str, prompt: int = 0) -> int:
     model = tiny("llama")
     tracker = StepTracker(find_blocks(model))
     reference = {"copy": lambda: FrozenCopy(model), "precompute": Precomputed}[mode]()
@@ -47,7 +50,8 @@ def _measured(mode: str) -> int:
     tracker.track_external(model, optimizer, *([reference.model] if mode == "copy" else []))
     ids = torch.randint(0, VOCAB, (2 * PAIRS, SEQ), generator=torch.Generator().manual_seed(5))
     with tracker:
-        run_step(model, optimizer, [ids], "fp32", tracker, loss_fn=_Pairs(DpoObjective(reference=reference)))
+        run_step(model, optimizer, [ids], "fp32", tracker,
+                 loss_fn=_Pairs(DpoObjective(reference=reference), prompt))
     return tracker.result().peak_bytes
 
 
@@ -65,6 +69,20 @@ def test_dpo_estimate_is_within_two_percent_of_the_measured_step(mode):
     assert predicted.extra["reference"] == mode and predicted.peak_bytes > sft.peak_bytes  # 2 rows a pair
     if mode == "copy":
         assert predicted.extra["reference_bytes"] >= predicted.weight_bytes
+
+
+@pytest.mark.parametrize("mode", ["copy", "precompute"])
+def test_a_prompt_skips_the_head_and_the_estimate_follows(mode):
+    # 32 of 48 tokens a prompt: the head runs from position 31 (the logits predicting token 32 on), 17 positions.
+    prompt = 32
+    hf = copy.deepcopy(tiny("llama").config)
+    stack = Stack("fp32", PAIRS, 1, False)
+    dpo = SimpleNamespace(reference=mode, loss_type="sigmoid")
+    kept = Estimator(hf, SEQ, PROFILES["cpu"], dpo=dpo, dpo_logits_keep=SEQ - prompt + 1).estimate(stack, ["none"] * 4)
+    every = Estimator(hf, SEQ, PROFILES["cpu"], dpo=dpo).estimate(stack, ["none"] * 4)
+    measured = _measured(mode, prompt)
+    assert kept.peak_bytes == pytest.approx(measured, rel=0.02), (kept.peak_bytes, measured)
+    assert measured < _measured(mode) and kept.peak_bytes < every.peak_bytes
 
 
 def test_dpo_is_planned_for_the_datas_longest_pair_when_the_data_is_known(tmp_path):
@@ -86,6 +104,10 @@ def test_dpo_is_planned_for_the_datas_longest_pair_when_the_data_is_known(tmp_pa
     assert 8 < longest < 512
     est = make_estimator(cfg, PROFILES["cpu"])
     assert est.seq_len == pair_length.planned_seq_len(cfg) == longest
+    # ...and the head planned from the data's shortest prompt: at most longest - shortest prompt + 1 positions
+    shortest = min(int((rows[k] == -100).int().cumprod(dim=1).sum(dim=1).min()) for k in ("labels", "rejected_labels"))
+    assert est.dpo_logits_keep == longest - shortest + 1 < longest
+    assert est.at_seq_len(512).dpo_logits_keep is None  # other rows: every position
     stack = Stack("fp32", cfg.train.micro_batch_size, 1, False)
     assert est.estimate(stack, ["none"] * est.n_blocks).peak_bytes < \
         est.at_seq_len(512).estimate(stack, ["none"] * est.n_blocks).peak_bytes

@@ -178,7 +178,7 @@ class Estimator:
                  save_ops: Sequence[str] = (), block_class: str | None = None, weight_decay: float = 0.01,
                  max_grad_norm: float | None = 1.0, anchor_micro_batch: int | None = None,
                  loss_chunk_tokens: int = 1024, dpo: Any | None = None, attention_mask: bool = False,
-                 flattened: bool = False) -> None:
+                 flattened: bool = False, dpo_logits_keep: int | None = None) -> None:
         self.hf_config = hf_config
         # The run's batches carry an explicit [rows, 1, seq, seq] mask (padding per batch, padding-free packs on a
         # kernel without varlen): traced with one, for SDPA's copy of it in each layer (see MaskedLoss).
@@ -188,6 +188,9 @@ class Estimator:
         # train.objective dpo (its config section): a micro-batch of pairs is twice the rows, plus the reference.
         self.dpo = dpo
         self.rows_per_example = 2 if dpo is not None else 1
+        # DPO's head runs from the first position that predicts a completion token: the positions it keeps in the
+        # worst batch of the data (its longest pair beside its shortest prompt); None: every position.
+        self.dpo_logits_keep = dpo_logits_keep
         self.n_blocks = n_blocks_of(hf_config)
         self.seq_len = seq_len
         self.profile = profile
@@ -218,6 +221,7 @@ class Estimator:
             return self
         other = copy.copy(self)
         other.seq_len, other._traces = seq_len, {}
+        other.dpo_logits_keep = None  # the data's prompts say nothing of rows of another length: every position
         return other
 
     def static(self, stack: Stack) -> StaticTrace:
@@ -385,9 +389,13 @@ class Estimator:
 
     # -- estimates ---------------------------------------------------------------------------------------
     def _loss(self, stack: Stack) -> Any:
+        from memfit.memory.estimator.preference import DpoLogps
         from memfit.memory.techniques.loss import loss_by_name
 
-        loss = loss_by_name(stack.loss, self.loss_chunk_tokens, emulate=True)  # fused: Liger's twin, fake tensors
+        if self.dpo is not None:  # the policy's log-probs as the objective forms them, not a next-token loss
+            loss = DpoLogps(self.dpo_logits_keep)
+        else:  # fused: Liger's twin on fake tensors
+            loss = loss_by_name(stack.loss, self.loss_chunk_tokens, emulate=True)
         return MaskedLoss(loss) if self.attention_mask else loss
 
     def estimate(self, stack: Stack, kinds: Sequence[str]) -> Estimate:

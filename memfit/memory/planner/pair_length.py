@@ -1,4 +1,4 @@
-"""DPO's planned row length: the data's longest preference pair where the estimate can read it, else data.seq_len."""
+"""DPO's planned rows: the data's longest pair and shortest prompt where the estimate can read them, else seq_len."""
 
 from __future__ import annotations
 
@@ -12,19 +12,27 @@ log = logging.getLogger(__name__)
 # estimated at 11.8 GiB against 2.75 GiB real (FACTS, "GPU, measured 2026-12-04"). The worst batch holds the
 # data's longest pair: that is the length planned. Without the data or its tokenizer (a config.json alone, a hub
 # model) the worst case, data.seq_len, stays.
-_CACHE: dict[tuple[str, str], int | None] = {}
+# The head runs from the first position that predicts a completion token in the batch (techniques/logps.py): in
+# the worst batch the longest pair sits beside the shortest prompt, so the positions kept are at most
+# longest - shortest prompt + 1.
+_CACHE: dict[tuple[str, str], tuple[int, int] | None] = {}
 
 
-def longest_pair_tokens(cfg: Any) -> int | None:
-    """Tokens of the data's longest pair side (prompt included, at most data.seq_len, as encoded for training);
-    None where the data or the tokenizer cannot be read here."""
+def pair_lengths(cfg: Any) -> tuple[int, int] | None:
+    """(tokens of the data's longest pair side, prompt included, at most data.seq_len, as encoded for training;
+    tokens of its shortest prompt); None where the data or the tokenizer cannot be read here."""
     key = (cfg.data.model_dump_json(), cfg.model.model_dump_json())
     if key not in _CACHE:
-        _CACHE[key] = _longest(cfg)
+        _CACHE[key] = _lengths(cfg)
     return _CACHE[key]
 
 
-def _longest(cfg: Any) -> int | None:
+def longest_pair_tokens(cfg: Any) -> int | None:
+    lengths = pair_lengths(cfg)
+    return None if lengths is None else lengths[0]
+
+
+def _lengths(cfg: Any) -> tuple[int, int] | None:
     from memfit.data.formats import data_digest, load_texts
     from memfit.data.pairs import REJECTED, encode_pairs
     from memfit.errors import MemfitError
@@ -37,9 +45,9 @@ def _longest(cfg: Any) -> int | None:
 
             tokenizer = configured_tokenizer(cfg, cfg.model.name_or_path)
             # data.path's pairs a slice at a time (a large preference set is never all held)
-            longest = longest_pair(cfg.data, tokenizer, DataSource(cfg.data, cfg.run.work_dir).arrow_dir)
-            if longest is not None:
-                return longest
+            lengths = longest_pair(cfg.data, tokenizer, DataSource(cfg.data, cfg.run.work_dir).arrow_dir)
+            if lengths is not None:
+                return lengths
         corpus = load_texts(cfg.data)
         if not cfg.model.name_or_path:  # a preset: built on first use (small), as a run builds it
             _, tokenizer, _ = load_model_and_tokenizer(cfg, corpus, data_digest(corpus))
@@ -48,10 +56,24 @@ def _longest(cfg: Any) -> int | None:
         log.info("dpo estimate: planned for data.seq_len=%d pairs (the data's own lengths unread: %s)",
                  cfg.data.seq_len, str(err).splitlines()[0] if str(err) else type(err).__name__)
         return None
-    return max(int(rows[name].sum(-1).max()) for name in ("attention_mask", REJECTED + "attention_mask"))
+    longest = max(int(rows[name].sum(-1).max()) for name in ("attention_mask", REJECTED + "attention_mask"))
+    trained = [rows[name] != -100 for name in ("labels", REJECTED + "labels")]
+    prompts = [t.int().argmax(dim=1)[t.any(dim=1)] for t in trained]
+    shortest = min((int(p.min()) for p in prompts if len(p)), default=0)
+    return longest, shortest
 
 
 def planned_seq_len(cfg: Any) -> int:
     """The row length a DPO step is estimated at: the longest pair of the data when known, else data.seq_len."""
     longest = longest_pair_tokens(cfg)
     return cfg.data.seq_len if longest is None else min(longest, cfg.data.seq_len)
+
+
+def planned_logits_keep(cfg: Any) -> int | None:
+    """The positions whose logits a DPO step's head keeps in the data's worst batch; None (every position) where
+    the data is unread or a prompt is empty."""
+    lengths = pair_lengths(cfg)
+    if lengths is None:
+        return None
+    keep = min(lengths[0], cfg.data.seq_len) - lengths[1] + 1
+    return keep if 0 < keep < planned_seq_len(cfg) else None
