@@ -148,8 +148,8 @@ def _plan(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: in
         raise ConfigError(f"train.precision={chosen.stack.precision}: {device['name']} has no bf16; use fp16-mixed")
     policy = plan_policy(cfg, chosen.policy, chosen.every_k, chosen.kinds)
     row = plan.row(chosen)
-    from memfit.memory.estimator.estimate import model_config_for
     from memfit.memory.estimator.evaluation import plan_evaluation
+    from memfit.memory.estimator.fake_model import model_config_for
 
     evaluation = plan_evaluation(_hf_config(probe_report.architecture) or model_config_for(cfg), chosen.n_params, cfg,
                                  plan.limit_bytes, device.get("name") or device["type"], profile.kind, profile.bf16)

@@ -269,7 +269,7 @@ def packing_alternatives(cfg: MemfitConfig, device: str | None = None) -> tuple[
     """data.packing auto for `memfit plan`: the layout chosen and every candidate's prediction, for the target
     device (--device, else memory.device, else this machine). A hub model needs only its config and tokenizer."""
     from memfit.data.cache import resolve_auto_packing
-    from memfit.memory.estimator.estimate import model_config_for
+    from memfit.memory.estimator.fake_model import model_config_for
     from memfit.models.loading import configured_tokenizer
 
     if cfg.train.objective == "dpo":  # preference pairs: one padded pair a row, nothing to weigh
@@ -298,7 +298,7 @@ def prepare_for_ranks(cfg: MemfitConfig) -> None:
 
     from memfit.data.cache import cached_data
     from memfit.data.source import DataSource
-    from memfit.memory.estimator.estimate import model_config_for
+    from memfit.memory.estimator.fake_model import model_config_for
     from memfit.models.loading import configured_tokenizer, model_source
 
     if cfg.model.name_or_path and cfg.data.streaming:  # nothing to build, nothing to prepare: the ranks stream

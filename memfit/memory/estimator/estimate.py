@@ -5,8 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -24,146 +23,14 @@ from memfit.memory.estimator.compose import (
     compose,
     extrapolate_static,
 )
+from memfit.memory.estimator.fake_model import fake_model, fake_tracing, n_blocks_of, no_init, with_depth
 from memfit.memory.estimator.step import host_bytes as optimizer_host_bytes
 from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step
 from memfit.memory.estimator.tracker import Segment, StepTracker
 from memfit.memory.techniques.policies import BLOCK_KINDS, OFFLOAD_EMULATION, assign_blocks, find_blocks
-from memfit.models.experts import traceable_experts
 from memfit.models.loading import forward_error
 
 log = logging.getLogger("memfit.memory")
-
-
-# -- the model, from its config alone ------------------------------------------------------------------------
-def model_config_for(cfg: Any) -> Any:
-    """The transformers config of the model a memfit config trains; weights and tokenizer are not needed."""
-    from transformers import AutoConfig
-
-    from memfit.models.loading import preset_config, preset_spec
-    from memfit.models.source import resolve_model_source
-
-    if cfg.model.name_or_path:
-        target, local = resolve_model_source(cfg.model.name_or_path, need_config=True)
-        try:
-            return AutoConfig.from_pretrained(target, trust_remote_code=cfg.model.trust_remote_code,
-                                              local_files_only=local)
-        except Exception as err:  # noqa: BLE001 - unreadable or unknown architecture
-            raise ConfigError(f"model.name_or_path: cannot read the model config from {target} ({err})") from None
-    spec = preset_spec(cfg.model, cfg.train.seed, "", cfg.data.seq_len)
-    # A preset's vocabulary is its trained tokenizer's, at most model.vocab_size: estimate with the maximum.
-    return preset_config(spec, cfg.model.vocab_size, 0)
-
-
-def n_blocks_of(hf_config: Any) -> int:
-    n = getattr(hf_config, "num_hidden_layers", None)
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"model config ({type(hf_config).__name__}) has no num_hidden_layers; memfit cannot "
-                          "estimate this architecture")
-    return n
-
-
-def _with_depth(hf_config: Any, n: int) -> Any:
-    c = copy.deepcopy(hf_config)
-    c.num_hidden_layers = n
-    types = getattr(c, "layer_types", None)
-    if isinstance(types, list) and len(types) > n:
-        c.layer_types = types[:n]
-    c.use_cache = False
-    return c
-
-
-def fake_model(hf_config: Any, precision: str, lora_cfg: Any | None, mode: Any, quantize: str = "none",
-               lean_layers: bool = False) -> torch.nn.Module:
-    """The model with fake weights (shapes and dtypes only), as training would hold it.
-
-    Built on the meta device (no init, no memory), then made the training model there by the trainer's own
-    code (memfit.models.lora.prepare_lora_model: base quantized, adapters added, frozen weights in the compute
-    dtype); then every parameter and buffer becomes a fake CPU tensor (fake tensors themselves cannot go
-    through Module.to()). A 4-bit base is booked from its layers' shapes: same-sized stand-ins for
-    bitsandbytes' packed codes and statistics (memfit.models.quantization), since fake tensors cannot hold them.
-    """
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    if lora_cfg is not None:
-        from memfit.models.lora import prepare_lora_model
-
-        with _no_init():  # meta tensors have no values: peft's kaiming init of each adapter is pure overhead
-            model = prepare_lora_model(model, lora_cfg, precision, quantize=quantize, fake=True)
-        if precision == "bf16-true":
-            model.to(torch.bfloat16)  # the trainer casts the adapters too
-    if lean_layers:
-        from memfit.memory.techniques.lean_layers import apply_lean_layers
-
-        apply_lean_layers(model)
-    _meta_to_fake(model, mode)
-    model.train()
-    return model
-
-
-@contextmanager
-def _no_init() -> Iterator[None]:
-    """torch.nn.init's in-place initialisers as no-ops, for models built on the meta device (there is nothing to
-    fill); ~0.1 s per adapted layer otherwise (15 s of a 30B MoE estimate's 42 s)."""
-    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
-    saved = {n: getattr(torch.nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.nn.init, n, f)
-
-
-def _meta_to_fake(model: torch.nn.Module, mode: Any) -> None:
-    cpu = torch.device("cpu")
-    done: dict[int, Any] = {}  # tied weights (GPT-2's wte and lm_head) stay one tensor
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in done:
-            meta = t.detach().to("meta") if t.device.type != "meta" else t.detach()
-            f = mode.fake_tensor_converter.from_meta_and_device(mode, meta, cpu)
-            done[id(t)] = torch.nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(
-                t, torch.nn.Parameter) else f
-        return done[id(t)]
-
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                module._parameters[name] = fake(p)
-        for name, b in list(module._buffers.items()):
-            if b is not None:
-                module._buffers[name] = fake(b)
-
-
-@contextmanager
-def fake_tracing() -> Iterator[Any]:
-    """A FakeTensorMode (not yet entered), with transformers' mask logic taking the branch real batches take.
-
-    transformers cannot read fake position ids, so it assumes packed sequences and builds an explicit mask
-    where real tensors (memfit's batches: one sequence per row, no padding) get SDPA's is_causal; that
-    changes what attention saves for backward.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import masking_utils
-
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is not None:
-        masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    # FakeTensorMode logs a failing op's whole traceback before raising it; the error itself reaches the caller.
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = fake_log.level
-    fake_log.setLevel(logging.CRITICAL)
-    try:
-        with traceable_experts():  # MoE experts' grouped_mm in fp32 / bf16-mixed (memfit/models/experts.py)
-            yield FakeTensorMode(allow_non_fake_inputs=False)
-    finally:
-        fake_log.setLevel(level)
-        if original is not None:
-            masking_utils.find_packed_sequence_indices = original
 
 
 class Estimator:
@@ -211,7 +78,7 @@ class Estimator:
 
     # -- tracing -----------------------------------------------------------------------------------------
     def _build(self, n: int, stack: Stack, mode: Any) -> torch.nn.Module:
-        return fake_model(_with_depth(self.hf_config, n), stack.precision,
+        return fake_model(with_depth(self.hf_config, n), stack.precision,
                           self.lora_cfg if stack.lora else None, mode, stack.quantize if stack.lora else "none",
                           stack.lean_layers)
 
@@ -239,7 +106,7 @@ class Estimator:
         if self._base is None:
             from transformers import AutoModelForCausalLM
 
-            with torch.device("meta"), _no_init():
+            with torch.device("meta"), no_init():
                 self._base = AutoModelForCausalLM.from_config(self.hf_config)
         return self._base
 

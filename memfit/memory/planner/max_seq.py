@@ -9,7 +9,8 @@ from typing import Any
 from memfit.config.devices import DeviceProfile
 from memfit.errors import ConfigError
 from memfit.memory.estimator.compose import Estimate, Stack
-from memfit.memory.estimator.estimate import Estimator, model_config_for
+from memfit.memory.estimator.estimate import Estimator
+from memfit.memory.estimator.fake_model import model_config_for
 from memfit.memory.planner.plan import fit_margin
 from memfit.memory.planner.search import make_estimator, plan_for, resolve_target
 

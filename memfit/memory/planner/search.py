@@ -12,8 +12,9 @@ from typing import Any
 from memfit.config.devices import DeviceProfile, get_profile, profile_for_report
 from memfit.errors import ConfigError
 from memfit.memory.estimator.compose import Estimate, Stack
-from memfit.memory.estimator.estimate import Estimator, model_config_for, n_blocks_of
+from memfit.memory.estimator.estimate import Estimator
 from memfit.memory.estimator.evaluation import plan_evaluation
+from memfit.memory.estimator.fake_model import model_config_for, n_blocks_of
 from memfit.memory.estimator.tracker import total
 from memfit.memory.planner.candidates import (
     adapter_rows,
