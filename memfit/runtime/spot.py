@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from memfit.config import SpotWatcherConfig
+from memfit.config.checkpoint import SpotWatcherConfig
 from memfit.errors import ConfigError
 from memfit.runtime.preemption import StopFlag
 

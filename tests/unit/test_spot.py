@@ -9,7 +9,7 @@ import time
 import pytest
 from fixtures.faults import FakeMetadata
 
-from memfit.config import SpotWatcherConfig
+from memfit.config.checkpoint import SpotWatcherConfig
 from memfit.errors import ConfigError
 from memfit.runtime.preemption import StopFlag
 from memfit.runtime.spot import DEFAULT_METADATA_URL, SpotWatcher, resolve_settings, spot_watcher
