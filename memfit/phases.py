@@ -15,12 +15,13 @@ import torch
 from memfit.checkpoints import CheckpointIndex
 from memfit.config import MemfitConfig
 from memfit.data.cache import cached_data
-from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryBudgetError, MemoryLimitError, Preempted
+from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryLimitError, Preempted
+from memfit.memory.estimator.fake_model import config_from_dict
 from memfit.memory.estimator.probe import explain_oom, measure_step, verdict, weights_to_device
-from memfit.memory.planner.plan import plan_table_markdown
 from memfit.memory.planner.plan_cache import cache_path, load_plan, plan_key, store_plan
 from memfit.memory.planner.replan import plan_at_resume, trained_as
-from memfit.memory.planner.search import estimate_policy, plan_for, resolve_budget, target_profile
+from memfit.memory.planner.report import plan_report
+from memfit.memory.planner.search import estimate_policy, resolve_budget, target_profile
 from memfit.memory.techniques.policies import make_policy
 from memfit.preflight import preflight
 from memfit.reports import AttemptReport, ExportReport, PlanReport, ProbeReport, ResumePoint, TrainReport
@@ -31,7 +32,6 @@ from memfit.run_context import (
     log_run_start,
     log_training_end,
     measured_peaks_for,
-    plan_policy,
     prepare_for_ranks,
     record_plan_at_resume,
     remember_memory_limit,
@@ -85,7 +85,7 @@ def check_environment_and_probe(cfg: MemfitConfig) -> ProbeReport:
         torch.cuda.empty_cache()
     if not baseline.fits:
         # What does not fit, from the estimator: the same step on fake tensors, broken down.
-        est = estimate_policy(cfg, profile, "none", hf_config=_hf_config(model_config))
+        est = estimate_policy(cfg, profile, "none", hf_config=config_from_dict(model_config))
         baseline.estimate = est.to_dict()
         baseline.message += "\n" + explain_oom(est, budget, source)
     log.info("baseline probe: %s", baseline.message)
@@ -118,7 +118,7 @@ def _planned(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget:
     cached = cache_path(cfg.run.work_dir, plan_key(cfg, profile, budget, source, probe_report.architecture, measured))
     report = load_plan(cached)
     if report is None:
-        report = _plan(cfg, probe_report, profile, budget, source, measured)
+        report = plan_report(cfg, probe_report, profile, budget, source, measured)
         store_plan(cached, report)
     log.info("optimisation stack: %s (%s)", report.description, report.reason)
     if report.evaluation:  # phase 5 on the same device: said now, not after hours of training
@@ -127,42 +127,6 @@ def _planned(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget:
     from memfit.distributed.planning import plan_distributed  # several ranks: the strategy, bytes per rank
 
     return plan_distributed(cfg, probe_report, report)
-
-
-def _plan(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget: int | None, source: str,
-          measured: list[Any]) -> PlanReport:
-    device = probe_report.environment["device"]
-    plan = plan_for(cfg, profile, budget, source, hf_config=_hf_config(probe_report.architecture), measured=measured)
-    weights = plan.chosen.weight_bytes if plan.chosen is not None else None
-    if not plan.fits and (cfg.memory.policy == "auto" or (budget is not None and weights and weights > budget)
-                          or (plan.chosen is not None and plan.excluded(plan.chosen))):
-        # The planner found nothing, even a forced policy cannot hold the weights themselves, or a forced policy
-        # was stopped at the memory limit before (it would stop again).
-        raise MemoryBudgetError(plan.error or "no stack fits the memory budget")
-    if not plan.fits:
-        log.warning("memory.policy=%s is predicted not to fit: %s", cfg.memory.policy, plan.error)
-    chosen = plan.chosen
-    assert chosen is not None
-    if chosen.stack.precision in ("bf16-mixed", "bf16-true") and device["type"] == "cuda" \
-            and not device["bf16_supported"]:
-        raise ConfigError(f"train.precision={chosen.stack.precision}: {device['name']} has no bf16; use fp16-mixed")
-    policy = plan_policy(cfg, chosen.policy, chosen.every_k, chosen.kinds)
-    row = plan.row(chosen)
-    from memfit.memory.estimator.evaluation import plan_evaluation
-    from memfit.memory.estimator.fake_model import model_config_for
-
-    evaluation = plan_evaluation(_hf_config(probe_report.architecture) or model_config_for(cfg), chosen.n_params, cfg,
-                                 plan.limit_bytes, device.get("name") or device["type"], profile.kind, profile.bf16)
-    return PlanReport(policy=chosen.policy, every_k=chosen.every_k or cfg.memory.every_k,
-                      precision=chosen.stack.precision, micro_batch_size=chosen.stack.micro_batch_size,
-                      grad_accum_steps=chosen.stack.grad_accum_steps, reason=plan.reason,
-                      description=policy.describe(), block_kinds=list(chosen.kinds), lora=chosen.stack.lora,
-                      quantize=chosen.stack.quantize, loss=chosen.stack.loss, optimizer=chosen.stack.optimizer,
-                      optimizer_in_backward=chosen.stack.optimizer_in_backward, lean_layers=chosen.stack.lean_layers,
-                      fits=plan.fits, predicted_peak_bytes=chosen.peak_bytes, budget_bytes=budget, device=profile.name,
-                      predicted_overhead=row["predicted_overhead"], budget_source=source, evaluation=evaluation,
-                      predicted_step_seconds=row["predicted_step_seconds"], table_markdown=plan_table_markdown(plan),
-                      alternatives=[plan.row(e) for e in plan.table if e is not chosen])
 
 
 # -- phase 4, run before phases 2 and 3 -------------------------------------------------------------
@@ -286,7 +250,7 @@ def evaluate_and_release(cfg: MemfitConfig, train_report: TrainReport) -> Export
     from memfit.release.adapter import ADAPTER_DIR, verify_adapter, write_adapter
     from memfit.release.from_checkpoint import config_from_checkpoint, parity_criteria, trained_quantize
     from memfit.release.publish import release
-    from memfit.training.loop import evaluate_loss
+    from memfit.training.readout import evaluate_loss
 
     device = resolve_device(cfg.train.device)
     pin_threads(cfg.train.num_threads)
@@ -400,14 +364,6 @@ def launch_node(cfg: MemfitConfig) -> TrainReport | None:
     prepare_for_ranks(cfg)
     return train_distributed(cfg, plan, resume, None)
 
-
-def _hf_config(config_dict: dict[str, Any] | None) -> Any:
-    if not config_dict:
-        return None
-    from transformers import AutoConfig
-
-    d = dict(config_dict)
-    return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
 def _source_name(cfg: MemfitConfig) -> str:

@@ -20,7 +20,7 @@ from memfit.config import MemfitConfig
 from memfit.data.prepare import DataBundle
 from memfit.memory.planner import limits
 from memfit.memory.planner.plan import MeasuredPeak
-from memfit.memory.techniques.policies import apply_policy, make_policy
+from memfit.memory.techniques.policies import apply_policy, configured_policy
 from memfit.models.loading import check_seq_len, load_model_and_tokenizer
 from memfit.reports import PlanReport, ProbeReport
 from memfit.runtime.recovery import run_key
@@ -138,18 +138,13 @@ def git_commit() -> str | None:
 
 
 
-def plan_policy(cfg: MemfitConfig, name: str, every_k: int | None, kinds: Any) -> Any:
-    return make_policy(name, every_k=every_k or cfg.memory.every_k, save_ops=cfg.memory.selective_save_ops,
-                       block_class=cfg.memory.block_class, kinds=kinds)
-
 
 
 def configured_plan(cfg: MemfitConfig, policy: str = "none", reason: str = "as configured") -> PlanReport:
     """A plan the planner did not make: `policy` with the config's own precision, micro-batch, LoRA setting and
     techniques (`memfit profile --compare`, benchmarks, tests); an auto loss or optimizer is resolved when built."""
     m = cfg.memory
-    description = make_policy(policy, every_k=m.every_k, save_ops=m.selective_save_ops,
-                              block_class=m.block_class).describe()
+    description = configured_policy(m, policy).describe()
     lora = cfg.lora.enabled is True
     return PlanReport(policy=policy, every_k=m.every_k, precision=cfg.train.precision,
                       micro_batch_size=cfg.train.micro_batch_size, grad_accum_steps=cfg.train.grad_accum_steps,
@@ -171,7 +166,7 @@ def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanRe
 
         log.info("memory.lean_layers: %s", apply_lean_layers(model))
     kinds = plan.block_kinds if plan.policy == "mixed" else None
-    apply_policy(model, plan_policy(cfg, plan.policy, plan.every_k, kinds))
+    apply_policy(model, configured_policy(cfg.memory, plan.policy, plan.every_k, kinds))
     if cfg.train.compile:  # last: the compiled blocks run what LoRA, lean layers and the policy made of them
         from memfit.training.compile import compile_blocks
 

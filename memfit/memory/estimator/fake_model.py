@@ -33,6 +33,15 @@ def model_config_for(cfg: Any) -> Any:
     return preset_config(spec, cfg.model.vocab_size, 0)
 
 
+def config_from_dict(config_dict: dict[str, Any] | None) -> Any:
+    """A transformers config from its to_dict() form (the probe report's architecture); None for none."""
+    if not config_dict:
+        return None
+    from transformers import AutoConfig
+
+    d = dict(config_dict)
+    return AutoConfig.for_model(d.pop("model_type"), **d)
+
 def n_blocks_of(hf_config: Any) -> int:
     n = getattr(hf_config, "num_hidden_layers", None)
     if not isinstance(n, int) or n < 1:

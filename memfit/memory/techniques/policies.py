@@ -337,6 +337,12 @@ def make_policy(name: str, *, every_k: int = 2, save_ops: Sequence[str] = (), bl
     raise ConfigError(f"memory.policy: unknown policy {name!r}; choose one of auto, {', '.join(POLICY_NAMES[:-1])}")
 
 
+def configured_policy(memory: Any, name: str, every_k: int | None = None,
+                      kinds: Sequence[str] | None = None) -> GradCheckpointPolicy:
+    """`name` (a plan's policy) with the memory section's every_k, selective save ops and block class."""
+    return make_policy(name, every_k=every_k or memory.every_k, save_ops=memory.selective_save_ops,
+                       block_class=memory.block_class, kinds=kinds)
+
 def apply_policy(model: nn.Module, policy: GradCheckpointPolicy) -> None:
     """The one place a gradient-checkpointing policy touches a model."""
     base = _base_model(model)
