@@ -1,8 +1,7 @@
-"""An MLflow pyfunc over a memfit SafeTensors export: prompts or chat messages in, greedy answers (no memfit import).
+"""An MLflow pyfunc over a memfit SafeTensors export: prompts or chat messages in, greedy answers (no memfit import)."""
 
-MLflow copies this file into the logged model and executes it on load (models from code), so the
-model never depends on a pickle and loads anywhere torch + transformers are installed.
-"""
+# MLflow copies this file into the logged model and executes it on load (models from code), so the model never depends
+# on a pickle and loads anywhere torch + transformers are installed.
 
 from __future__ import annotations
 

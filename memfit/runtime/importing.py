@@ -1,15 +1,14 @@
-"""Start-up imports with Python's cyclic garbage collector paused, then what they made frozen out of later collections.
+"""Start-up imports with Python's cyclic garbage collector paused, then what they made frozen out of collections."""
 
-Importing torch, transformers, Prefect and MLflow allocates millions of objects that live as long as the
-process. CPython's cyclic collector runs every few hundred allocations and walks the young ones each time, and
-every so often all of them: on the 2-core reference machine `import torch, transformers, prefect` took 7.3
-CPU s with it and 5.8 with it paused (three runs each, 2026-12-02). Imports make little cyclic garbage, so
-nothing piles up meanwhile. Afterwards, in a process of memfit's own, `gc.freeze()` moves what exists to a
-permanent generation, so later full collections (during training, serving) no longer walk the modules either.
-
-The memfit processes that import heavily at start-up use it around those imports: `memfit run` and the other
-commands, the tracking process, each torchrun rank.
-"""
+# Importing torch, transformers, Prefect and MLflow allocates millions of objects that live as long as the process.
+# CPython's cyclic collector runs every few hundred allocations and walks the young ones each time, and every so often
+# all of them: on the 2-core reference machine `import torch, transformers, prefect` took 7.3 CPU s with it and 5.8
+# with it paused (three runs each, 2026-12-02). Imports make little cyclic garbage, so nothing piles up meanwhile.
+# Afterwards, in a process of memfit's own, `gc.freeze()` moves what exists to a permanent generation, so later full
+# collections (during training, serving) no longer walk the modules either.
+#
+# The memfit processes that import heavily at start-up use it around those imports: `memfit run` and the other
+# commands, the tracking process, each torchrun rank.
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Generation backends: the SafeTensors export with transformers generate, the ONNX export with onnxruntime, a GGUF
-file with llama.cpp (llama-cpp-python).
+"""Generation backends: a SafeTensors export (transformers), an ONNX export (onnxruntime), a GGUF file (llama.cpp)."""
 
-Both take a batch of token-id prompts and report one new token per sequence per step through `emit`; the
-engine decides when a sequence is done (end of text, its max_tokens, a stop string) and says so via `done`.
-"""
+# Both take a batch of token-id prompts and report one new token per sequence per step through `emit`; the engine
+# decides when a sequence is done (end of text, its max_tokens, a stop string) and says so via `done`.
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""What MODEL names: a registry version (`models:/NAME@ALIAS`, `models:/NAME/N`), a training checkpoint, an export
-folder; each resolved to a local, checksum-verified SafeTensors folder (and the ONNX file beside it, if any)."""
+"""What MODEL names (a registry version, a training checkpoint, an export folder), as a verified local folder."""
+
+# MODEL: `models:/NAME@ALIAS`, `models:/NAME/N`, a training checkpoint or an export folder; each resolved to a local,
+# checksum-verified SafeTensors folder (and the ONNX file beside it, if any).
 
 from __future__ import annotations
 

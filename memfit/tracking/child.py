@@ -1,10 +1,9 @@
-"""The tracking process: MLflow imported and its store opened in a process of its own, fed over a pipe.
+"""The tracking process: MLflow imported and its store opened in a process of its own, fed over a pipe."""
 
-Started by `memfit.tracking.process` before the training process imports torch, so MLflow's ≈ 4 s of imports
-and store set-up run on the other core, and its writes never take the training process's GIL. It reads one
-JSON request per line on stdin and answers on stdout; it ends when stdin closes (memfit exited or was
-SIGKILLed: the kernel closes the pipe) or on SIGTERM, after writing what it buffered.
-"""
+# Started by `memfit.tracking.process` before the training process imports torch, so MLflow's ≈ 4 s of imports and
+# store set-up run on the other core, and its writes never take the training process's GIL. It reads one JSON request
+# per line on stdin and answers on stdout; it ends when stdin closes (memfit exited or was SIGKILLed: the kernel
+# closes the pipe) or on SIGTERM, after writing what it buffered.
 
 from __future__ import annotations
 

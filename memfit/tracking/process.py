@@ -1,12 +1,11 @@
-"""The run's MLflow tracker in a process of its own, started before torch imports, driven over a pipe.
+"""The run's MLflow tracker in a process of its own, started before torch imports, driven over a pipe."""
 
-MLflow costs the training process ≈ 4 s of imports and store set-up before the first step, and its writer
-threads share that process's GIL with the training step. `memfit run` starts the tracking process (child.py)
-at once, beside the Prefect server, so both run on the other core while this one imports torch; phase 3
-takes it (`take`), and hands it back at its end (`close`) for phase 5, which logs the model, registers it and
-draws the plots there (records.py). Everything else (`memfit profile`, `memfit export`, tests calling phases)
-keeps the in-process MLflowTracker: one tracker class does the MLflow work in either place.
-"""
+# MLflow costs the training process ≈ 4 s of imports and store set-up before the first step, and its writer threads
+# share that process's GIL with the training step. `memfit run` starts the tracking process (child.py) at once, beside
+# the Prefect server, so both run on the other core while this one imports torch; phase 3 takes it (`take`), and hands
+# it back at its end (`close`) for phase 5, which logs the model, registers it and draws the plots there (records.py).
+# Everything else (`memfit profile`, `memfit export`, tests calling phases) keeps the in-process MLflowTracker: one
+# tracker class does the MLflow work in either place.
 
 from __future__ import annotations
 

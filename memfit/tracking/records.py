@@ -1,11 +1,10 @@
-"""What is made from a run's own MLflow records (plots, the registry step), done in the process holding the store.
+"""What is made from a run's own MLflow records (plots, the registry step), done in the process holding the store."""
 
-In `memfit run` that is the tracking process (child.py), which has MLflow imported and the store open since
-start-up: phases 3 and 5 ask it by name (`on_tracker`), so the training process never imports MLflow or
-matplotlib (≈ 12 s less CPU in memfit's process per tiny run, docs/mlflow.md). Everywhere else
-(tests calling the phases, `memfit export`, retraining flows) the same functions run here, on the in-process
-tracker. Arguments and results are plain JSON: the pipe carries data, never code.
-"""
+# In `memfit run` that is the tracking process (child.py), which has MLflow imported and the store open since start-
+# up: phases 3 and 5 ask it by name (`on_tracker`), so the training process never imports MLflow or matplotlib (≈ 12 s
+# less CPU in memfit's process per tiny run, docs/mlflow.md). Everywhere else (tests calling the phases, `memfit
+# export`, retraining flows) the same functions run here, on the in-process tracker. Arguments and results are plain
+# JSON: the pipe carries data, never code.
 
 from __future__ import annotations
 

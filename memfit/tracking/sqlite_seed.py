@@ -1,11 +1,10 @@
-"""A new SQLite MLflow store starts as a copy of an empty migrated one, built once per MLflow version, not per run.
+"""A new SQLite MLflow store starts as a copy of an empty migrated one, built once per MLflow version, not per run."""
 
-MLflow creates a SQLite store by running its whole alembic history (≈ 50 migrations): ≈ 1.5 CPU s and ≈ 2 s on
-2 cores, in every new work folder, test and fresh machine. The result is the same empty schema every time, so
-memfit builds it once into its cache (next to the ONNX graphs) and copies it in. MLflow then finds every table at
-its head revision, checks that, and creates the default experiment itself (its artifact root depends on where it
-runs, so the template holds no rows of that kind). Any failure leaves the store to MLflow, exactly as before.
-"""
+# MLflow creates a SQLite store by running its whole alembic history (≈ 50 migrations): ≈ 1.5 CPU s and ≈ 2 s on 2
+# cores, in every new work folder, test and fresh machine. The result is the same empty schema every time, so memfit
+# builds it once into its cache (next to the ONNX graphs) and copies it in. MLflow then finds every table at its head
+# revision, checks that, and creates the default experiment itself (its artifact root depends on where it runs, so the
+# template holds no rows of that kind). Any failure leaves the store to MLflow, exactly as before.
 
 from __future__ import annotations
 

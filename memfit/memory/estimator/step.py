@@ -1,5 +1,4 @@
-"""The training step, the only one: the trainer runs it, the probe measures it (real tensors), the estimator traces it
-(fake ones)."""
+"""The one training step: the trainer runs it, the probe measures it, the estimator traces it (fake tensors)."""
 
 from __future__ import annotations
 
