@@ -199,8 +199,8 @@ def _render(results: dict[int, dict], gpu: str, peak_flops: float | None, dry: b
             "estimate --device <gpu> --policy P`; s/step the median of memfit profile's timed steps (the loop's "
             "and TRL's: of steps 3-6). MFU: PaLM FLOPs per token over the dense bf16 peak. The DPO row: 4 synthetic "
             "pairs a step (8 rows, cut to the batch's longest pair), dpo.reference auto; its estimate plans for the "
-            "data's longest pair and every position's logits (the batch the plan must fit; the head skips the "
-            "prompts where a batch lets it), its real peak is over the batches it drew, and its "
+            "data's worst batch (its longest pair beside its shortest prompt: the head's positions) with the "
+            "reference's no-grad forward where the step runs it, its real peak is over the batches it drew, and its "
             "tokens are the rows x width computed (the reference's forward not counted in MFU); the SFT row after "
             "it trains that many rows of that width. Timed steps below: the first builds the optimizer state.", "",
             "Made by `bash bench/gpu_kit.sh prepare` (here: the wheels the device image lacks, `.whl/`, 25 MiB), then "

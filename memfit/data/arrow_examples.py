@@ -248,9 +248,9 @@ def example_lengths(data: DataConfig, tokenizer: Any, num_proc: int, cache_dir: 
     return lengths, trained, fmt_seen[0]
 
 
-def longest_pair(data: DataConfig, tokenizer: Any, cache_dir: str) -> tuple[int, int] | None:
-    """(the tokens of the longest side of any pair, the tokens of the shortest prompt before a trained token) of
-    data.path as rows hold them, read a slice at a time in this process; None for the synthetic pairs."""
+def longest_pair(data: DataConfig, tokenizer: Any, cache_dir: str) -> tuple[int, int, int] | None:
+    """(the tokens of the longest side of any pair, the tokens of the shortest prompt before a trained token, the
+    pairs kept) of data.path as rows hold them, read a slice at a time in this process; None for synthetic pairs."""
     from memfit.data.formats import Corpus
     from memfit.data.pairs import check_kept, encode_sides
 
@@ -265,7 +265,7 @@ def longest_pair(data: DataConfig, tokenizer: Any, cache_dir: str) -> tuple[int,
         shortest = min([shortest, *(prompt_tokens(labels) for _, labels in chosen + rejected)])
         kept += len(index)
     check_kept(kept, {"truncated": 0, "dropped": 0}, data)  # no pair left: the estimate says why in one line
-    return longest, shortest
+    return longest, shortest, kept
 
 
 def prompt_tokens(labels: list[int]) -> int:

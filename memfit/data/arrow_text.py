@@ -172,6 +172,8 @@ def prepare_text_blocks(data: DataConfig, tokenizer: Any, out_dir: Path, num_pro
     val) rows, or None when the source is not plain text records."""
     import torch
 
+    from memfit.data.packing import val_count
+
     with tempfile.TemporaryDirectory(prefix="memfit-datasets-", dir=out_dir) as tmp:
         sources = _sources(data, cache_dir or tmp, quiet=True)
         if sources is None:
@@ -183,7 +185,7 @@ def prepare_text_blocks(data: DataConfig, tokenizer: Any, out_dir: Path, num_pro
         if n < 2:
             raise DataError(f"data.seq_len: only {total} tokens, fewer than 2 blocks of {seq_len} "
                             "(one for training, one for validation): lower data.seq_len or add data")
-        n_val = min(max(1, round(n * data.val_fraction)), n - 1)
+        n_val = val_count(n, data.val_fraction)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(data.seed)).numpy()
         _write_rows(out_dir / "train.npy", tokens, order[n_val:], seq_len)
         _write_rows(out_dir / "val.npy", tokens, order[:n_val], seq_len)

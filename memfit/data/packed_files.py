@@ -169,13 +169,14 @@ def write_rows(plan: Plan, out_dir: Path, val_fraction: float, seed: int, num_pr
     the encoded files and write the rows themselves: the parent only hands out chunks and sums their counts)."""
     import torch
 
+    from memfit.data.packing import val_count
     from memfit.data.workers import in_order
 
     global _PLAN
     n = plan.n_rows
     if n < 2:
         raise DataError(f"data.seq_len: only {n} block(s); need 2 or more: lower data.seq_len or add data")
-    n_val = min(max(1, round(n * val_fraction)), n - 1)
+    n_val = val_count(n, val_fraction)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
     seq_len, jobs = plan.seq_len, []
     for split, rows in (("train", order[n_val:]), ("val", order[:n_val])):

@@ -95,12 +95,17 @@ def pack_padded(encoded: list[Encoded], seq_len: int, pad_id: int) -> tuple[Rows
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}, [[i] for i in range(n)]
 
 
+def val_count(n: int, val_fraction: float) -> int:
+    """Pure: the rows (blocks, examples, pairs) of n held out for validation: at least one, and one left to train."""
+    return min(max(1, round(n * val_fraction)), n - 1)
+
+
 def split_rows(rows: Rows, val_fraction: float, seed: int) -> tuple[Rows, Rows, torch.Tensor]:
     """Seeded shuffle of the rows, then (train, val, the val rows' original indices); each side gets one or more."""
     n = rows["input_ids"].shape[0]
     if n < 2:
         raise DataError(f"data.seq_len: only {n} block(s); need 2 or more: lower data.seq_len or add data")
-    n_val = min(max(1, round(n * val_fraction)), n - 1)
+    n_val = val_count(n, val_fraction)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     train = {k: v[order[n_val:]].clone() for k, v in rows.items()}
     val = {k: v[order[:n_val]].clone() for k, v in rows.items()}

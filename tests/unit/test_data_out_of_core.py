@@ -155,7 +155,9 @@ def test_dpo_estimate_reads_the_longest_pair_a_slice_at_a_time(tmp_path, tok, sm
     whole = max(int(rows[k].sum(-1).max()) for k in ("attention_mask", "rejected_attention_mask"))
     # the shortest prompt: the fewest -100 labels before a trained one, over both sides of every pair
     shortest = min(int((rows[k] == -100).int().cumprod(dim=1).sum(dim=1).min()) for k in ("labels", "rejected_labels"))
-    assert arrow_examples.longest_pair(cfg.data, tok, str(tmp_path / "arrow")) == (whole, shortest)
+    # ...and the pairs kept, as the in-memory encoding keeps them (what dpo.reference auto's coverage counts)
+    kept = len(rows["input_ids"])
+    assert arrow_examples.longest_pair(cfg.data, tok, str(tmp_path / "arrow")) == (whole, shortest, kept)
     assert 0 < shortest < whole
     short = cfg.data.model_copy(update={"seq_len": 4, "overlong": "drop"})
     with pytest.raises(DataError, match=r"data\.seq_len: .*pairs\.jsonl record 1: field 'prompt'"):

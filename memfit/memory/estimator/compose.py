@@ -139,11 +139,18 @@ def proxy_index(i: int, n: int, n_proxy: int) -> int:
     return min(1, n_proxy - 1)
 
 
+def _interior_forward_seconds(trace: KindTrace, m: int) -> float:
+    """One interior block's forward (its first pass: recompute is backward's) in micro-batch m of a proxy."""
+    seg = trace.micro[min(m, len(trace.micro) - 1)].get(f"fb{min(1, trace.n_proxy - 1)}")
+    return seg.seconds if seg is not None else 0.0
+
+
 def _where(label: str, block: int | None) -> str:
     phase = "forward" if label.startswith("f") else "backward"
     if block is not None:
         return f"{phase}, block {block}"
-    part = {"fpre": "embeddings", "fpost": "head and loss", "bpost": "head and loss", "bpre": "embeddings"}
+    part = {"fpre": "embeddings", "fpost": "head and loss", "fref": "the DPO reference's no-grad forward",
+            "bpost": "head and loss", "bpre": "embeddings"}
     return f"{phase}, {part.get(label, label)}"
 
 
@@ -173,7 +180,7 @@ def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] 
         micro_seconds = 0.0
         order: list[tuple[KindTrace, str, int | None]] = [(first, "fpre", None)]
         order += [(traces[kinds[i]], f"fb{proxy_index(i, n, traces[kinds[i]].n_proxy)}", i) for i in range(n)]
-        order += [(last, "fpost", None), (last, "bpost", None)]
+        order += [(last, "fpost", None), (last, "fref", None), (last, "bpost", None)]
         order += [(traces[kinds[i]], f"bb{proxy_index(i, n, traces[kinds[i]].n_proxy)}", i)
                   for i in reversed(range(n))]
         order += [(first, "bpre", None)]
@@ -181,6 +188,8 @@ def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] 
             seg = trace.micro[min(m, len(trace.micro) - 1)].get(label)
             visit(seg, f"micro-batch {m + 1}, {_where(label, block)}")
             micro_seconds += seg.seconds if seg is not None else 0.0
+            if label == "fref" and seg is not None:  # the proxy's no-grad forward: the other blocks' forwards too
+                micro_seconds += (n - last.n_proxy) * _interior_forward_seconds(last, m)
             if label == "fpost":
                 activations = mem["activations"]
         # Micro-batches after the second start from the same state as the second: same memory, same time.

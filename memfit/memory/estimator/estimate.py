@@ -45,7 +45,8 @@ class Estimator:
                  save_ops: Sequence[str] = (), block_class: str | None = None, weight_decay: float = 0.01,
                  max_grad_norm: float | None = 1.0, anchor_micro_batch: int | None = None,
                  loss_chunk_tokens: int = 1024, dpo: Any | None = None, attention_mask: bool = False,
-                 flattened: bool = False, dpo_logits_keep: int | None = None) -> None:
+                 flattened: bool = False, dpo_logits_keep: int | None = None,
+                 dpo_coverage: float | None = None) -> None:
         self.hf_config = hf_config
         # The run's batches carry an explicit [rows, 1, seq, seq] mask (padding per batch, padding-free packs on a
         # kernel without varlen): traced with one, for SDPA's copy of it in each layer (see MaskedLoss).
@@ -58,6 +59,7 @@ class Estimator:
         # DPO's head runs from the first position that predicts a completion token: the positions it keeps in the
         # worst batch of the data (its longest pair beside its shortest prompt); None: every position.
         self.dpo_logits_keep = dpo_logits_keep
+        self.dpo_coverage = dpo_coverage  # passes over the training pairs, where read: dpo.reference auto's rule
         self.n_blocks = n_blocks_of(hf_config)
         self.seq_len = seq_len
         self.profile = profile
@@ -232,7 +234,7 @@ class Estimator:
                 tracker.track_external(optimizer)
                 batches = self._batches(stack, min(stack.grad_accum_steps, 2))
                 try:
-                    _run_traced(model, optimizer, batches, stack.precision, tracker, loss_fn=self._loss(stack),
+                    _run_traced(model, optimizer, batches, stack.precision, tracker, loss_fn=self._loss(stack, tracker),
                                 in_backward=stack.optimizer_in_backward)
                 except Exception as err:  # the model's own forward failing: one line, not the trace's traceback
                     known = forward_error(err, self.hf_config)
@@ -255,12 +257,13 @@ class Estimator:
         return [torch.randint(0, vocab, shape) for _ in range(count)]
 
     # -- estimates ---------------------------------------------------------------------------------------
-    def _loss(self, stack: Stack) -> Any:
+    def _loss(self, stack: Stack, tracker: StepTracker) -> Any:
         from memfit.memory.estimator.preference import DpoLogps
         from memfit.memory.techniques.loss import loss_by_name
 
         if self.dpo is not None:  # the policy's log-probs as the objective forms them, not a next-token loss
-            loss = DpoLogps(self.dpo_logits_keep)
+            # adapter_off and copy: the reference's no-grad forward runs in the step, traced in its place.
+            loss = DpoLogps(self.dpo_logits_keep, self._reference(stack), tracker)
         else:  # fused: Liger's twin on fake tensors
             loss = loss_by_name(stack.loss, self.loss_chunk_tokens, emulate=True)
         return MaskedLoss(loss) if self.attention_mask else loss
@@ -273,11 +276,16 @@ class Estimator:
         estimate = compose(self.static(stack), traces, list(kinds), stack, method)
         if self.dpo is None:
             return estimate
-        from memfit.memory.estimator.preference import reference_mode, with_reference
+        from memfit.memory.estimator.preference import with_reference
 
-        mode = reference_mode(self.dpo.reference, self.dpo.loss_type, stack.lora)
-        vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
-        return with_reference(estimate, mode, vocab, stack.micro_batch_size * self.rows_per_example, self.seq_len)
+        return with_reference(estimate, self._reference(stack))
+
+    def _reference(self, stack: Stack) -> str:
+        """dpo.reference as the run resolves it for this stack (auto: from the passes over the pairs, where read)."""
+        from memfit.memory.estimator.preference import reference_mode
+
+        assert self.dpo is not None
+        return reference_mode(self.dpo.reference, self.dpo.loss_type, stack.lora, self.dpo_coverage)
 
 
 class MaskedLoss:

@@ -6,7 +6,6 @@ from dataclasses import replace
 from typing import Any
 
 ROWS_PER_PAIR = 2  # chosen and rejected through the policy in one forward
-FORWARD_SHARE = 1 / 3  # a no-grad forward is about a third of a forward + backward
 
 
 def reference_mode(setting: str, loss_type: str, lora: bool, coverage: float | None = None) -> str:
@@ -46,25 +45,15 @@ def why(mode: str, copy_bytes: int) -> str:
     }[mode]
 
 
-def with_reference(estimate: Any, mode: str, vocab: int, rows: int, seq_len: int) -> Any:
-    """The estimate of a DPO step (traced with ROWS_PER_PAIR x the pairs as rows) plus its reference: a copy's
-    weights (the policy's own dtype) stay for the whole run; adapter_off and copy run a no-grad forward whose fp32
-    logits and log-softmax over every row are alive while the policy's loss is formed, counted on top of the traced
-    peak at every position of the rows (`seq_len`) even where the head keeps fewer: an upper bound. (On a tiny
-    Llama with 32 of 48 tokens a prompt, the copy's measured peak fell 0.16 MB where its logits fell 0.5 MB, and a
-    transient at the kept positions fell 5 % short; on a 2-block Llama with Llama-3's vocabulary adapter_off is
-    planned at 699 MB against 338.5 MB measured.)"""
+def with_reference(estimate: Any, mode: str) -> Any:
+    """The estimate of a DPO step (traced with ROWS_PER_PAIR x the pairs as rows, and with adapter_off or copy the
+    reference's no-grad forward in the trace: DpoLogps) plus what the trace does not hold: a copy's weights (the
+    policy's own dtype), alive for the whole run."""
     copy_bytes = estimate.weight_bytes if mode == "copy" else 0
-    # Measured on a tiny Llama (tests/integration/test_dpo_estimate.py): the reference's logits add to the traced
-    # peak, which sits where the policy's loss is formed, right after the reference forward.
-    transient = 2 * rows * seq_len * vocab * 4 if mode in ("adapter_off", "copy") else 0
-    extra = copy_bytes + transient
-    seconds = estimate.step_seconds * (1 + FORWARD_SHARE) if mode in ("adapter_off", "copy") else \
-        estimate.step_seconds
     breakdown = dict(estimate.breakdown)
-    breakdown["other"] = breakdown.get("other", 0) + extra  # the tracker's keys: a copy's weights are not trained
-    return replace(estimate, peak_bytes=estimate.peak_bytes + extra, breakdown=breakdown, step_seconds=seconds,
-                   extra={**estimate.extra, "reference": mode, "reference_bytes": extra,
+    breakdown["other"] = breakdown.get("other", 0) + copy_bytes  # the tracker's keys: a copy's weights are not trained
+    return replace(estimate, peak_bytes=estimate.peak_bytes + copy_bytes, breakdown=breakdown,
+                   extra={**estimate.extra, "reference": mode, "reference_bytes": copy_bytes,
                           "reference_why": why(mode, estimate.weight_bytes)})
 
 
@@ -72,19 +61,38 @@ class DpoLogps:
     """The policy's half of a DPO step as training/objective.py forms it, for the estimator's trace: one forward of
     the rows with the head kept for the last `keep` positions (every position when None, or where the model takes
     no logits_to_keep), then the summed log-probs in fp32 (techniques/logps.py); the loss is their mean (a pair's
-    DPO loss is a few scalars on top of them)."""
+    DPO loss is a few scalars on top of them). With `reference` adapter_off or copy the reference's no-grad forward
+    of the same rows follows, as the objective runs it (adapter_off: the adapters disabled), in a segment of the
+    `tracker`'s own (fref): its logits and log-softmax are alive on top of all the policy's backward will need."""
 
     name = "plain"  # what the plan shows as memory.loss: the logits are formed, not chunked
 
-    def __init__(self, keep: int | None = None) -> None:
-        self.keep = keep
+    def __init__(self, keep: int | None = None, reference: str | None = None, tracker: Any = None) -> None:
+        self.keep, self.tracker = keep, tracker
+        self.reference = reference if reference in ("adapter_off", "copy") and tracker is not None else None
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> Any:
+        import contextlib
+
+        import torch
+
         from memfit.memory.techniques.logps import keeps_logits, sequence_logps
 
         width = batch["input_ids"].shape[1]
         inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
         keep = self.keep if self.keep is not None and self.keep < width and keeps_logits(model) else None
-        logits = model(**inputs, use_cache=False, **({"logits_to_keep": keep} if keep else {})).logits
-        summed, counts = sequence_logps(logits, batch["labels"][:, width - logits.shape[1]:])
+        kept = {"logits_to_keep": keep} if keep else {}
+
+        def logps() -> tuple[Any, Any]:
+            logits = model(**inputs, use_cache=False, **kept).logits
+            return sequence_logps(logits, batch["labels"][:, width - logits.shape[1]:])
+
+        summed, counts = logps()
+        if self.reference is not None:
+            self.tracker.phase("ref", self.tracker.prefix)
+            off = model.disable_adapter() if self.reference == "adapter_off" and hasattr(model, "disable_adapter") \
+                else contextlib.nullcontext()
+            with torch.no_grad(), off:
+                reference, _ = logps()
+            summed = summed - reference  # the log-ratio the loss takes (a few scalars)
         return -summed.sum() / counts.sum().clamp(min=1)

@@ -135,6 +135,7 @@ class StepTracker(MemTracker):
         self.peak_vec: Vec = zero_vec()
         self.peak_label = ""
         self.host_peak_bytes = 0
+        self._skipped: set[int] = set()  # modules whose no-grad forward the parent's hooks sit out (below)
 
     # -- accounting ---------------------------------------------------------------------------------------
     def vec(self) -> Vec:
@@ -219,26 +220,44 @@ class StepTracker(MemTracker):
         self._open = _Open(label, now, dict(now), total(now))
 
     def phase(self, name: str, prefix: str = "") -> None:
-        """The driver says which part of the step runs next: fwd, bwd, opt or idle."""
+        """The driver says which part of the step runs next: fwd, ref (a DPO reference's no-grad forward, after the
+        policy's head: one segment, no block marks), bwd, opt or idle."""
         self._phase, self._prefix = name, prefix
         if name == "idle":
             if self._open is not None:
                 self.mark("idle")
                 self._open = None
             return
-        self.mark(prefix + {"fwd": "fpre", "bwd": "bpost"}.get(name, name))
+        self.mark(prefix + {"fwd": "fpre", "ref": "fref", "bwd": "bpost"}.get(name, name))
+
+    @property
+    def prefix(self) -> str:
+        """The running micro-batch's label prefix (m0., m1.)."""
+        return self._prefix
 
     def result(self) -> TrackResult:
         return TrackResult(peak=dict(self.peak_vec), peak_label=self.peak_label, segments=list(self.segments),
                            host_peak_bytes=self.host_peak_bytes)
 
+    def _again_without_grad(self, module: nn.Module) -> bool:
+        # A module run again in a no-grad forward of the same step (a DPO reference's: adapter_off runs the policy
+        # itself once more) saves nothing for backward; the parent refuses a root module's second forward, and its
+        # per-module statistics are not what memfit reads (the ops' bytes are still counted in dispatch).
+        return not torch.is_grad_enabled() and not self._mod_tracker.is_bw and module in self.memory_tracking
+
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        if self._again_without_grad(module):
+            self._skipped.add(id(module))
+            return
         super()._pre_fw_hook(module, inputs)
         i = self._block_index.get(id(module))
         if i is not None and self._phase == "fwd":
             self.mark(f"{self._prefix}fb{i}")
 
     def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+        if id(module) in self._skipped:
+            self._skipped.discard(id(module))
+            return
         super()._post_fw_hook(module, inputs, outputs)
         i = self._block_index.get(id(module))
         if i is not None and i == self._n_blocks - 1 and self._phase == "fwd":

@@ -1,4 +1,4 @@
-"""DPO's planned rows: the data's longest pair and shortest prompt where the estimate can read them, else seq_len."""
+"""DPO's planned rows and reference: the data's longest pair, shortest prompt and pair count where readable."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ log = logging.getLogger(__name__)
 # The head runs from the first position that predicts a completion token in the batch (techniques/logps.py): in
 # the worst batch the longest pair sits beside the shortest prompt, so the positions kept are at most
 # longest - shortest prompt + 1.
-_CACHE: dict[tuple[str, str], tuple[int, int] | None] = {}
+_CACHE: dict[tuple[str, str], tuple[int, int, int] | None] = {}
 
 
-def pair_lengths(cfg: Any) -> tuple[int, int] | None:
+def pair_lengths(cfg: Any) -> tuple[int, int, int] | None:
     """(tokens of the data's longest pair side, prompt included, at most data.seq_len, as encoded for training;
-    tokens of its shortest prompt); None where the data or the tokenizer cannot be read here."""
+    tokens of its shortest prompt; the pairs kept); None where the data or the tokenizer cannot be read here."""
     key = (cfg.data.model_dump_json(), cfg.model.model_dump_json())
     if key not in _CACHE:
         _CACHE[key] = _lengths(cfg)
@@ -32,7 +32,7 @@ def longest_pair_tokens(cfg: Any) -> int | None:
     return None if lengths is None else lengths[0]
 
 
-def _lengths(cfg: Any) -> tuple[int, int] | None:
+def _lengths(cfg: Any) -> tuple[int, int, int] | None:
     from memfit.data.formats import data_digest, load_texts
     from memfit.data.pairs import REJECTED, encode_pairs
     from memfit.errors import MemfitError
@@ -60,7 +60,7 @@ def _lengths(cfg: Any) -> tuple[int, int] | None:
     trained = [rows[name] != -100 for name in ("labels", REJECTED + "labels")]
     prompts = [t.int().argmax(dim=1)[t.any(dim=1)] for t in trained]
     shortest = min((int(p.min()) for p in prompts if len(p)), default=0)
-    return longest, shortest
+    return longest, shortest, int(rows["input_ids"].shape[0])
 
 
 def planned_seq_len(cfg: Any) -> int:
@@ -77,3 +77,17 @@ def planned_logits_keep(cfg: Any) -> int | None:
         return None
     keep = min(lengths[0], cfg.data.seq_len) - lengths[1] + 1
     return keep if 0 < keep < planned_seq_len(cfg) else None
+
+
+def planned_coverage(cfg: Any) -> float | None:
+    """How many times the run's steps go over its training pairs (train.max_steps x train.batch_size / the pairs
+    left after the validation split), which decides dpo.reference auto (estimator/preference.py); None where the
+    pairs are unread: the plan then counts the per-step reference auto takes below one pass."""
+    from memfit.data.packing import val_count
+    from memfit.memory.estimator.preference import coverage
+
+    lengths = pair_lengths(cfg)
+    if lengths is None or lengths[2] < 2:
+        return None
+    pairs = lengths[2] - val_count(lengths[2], cfg.data.val_fraction)
+    return coverage(cfg.train.max_steps, cfg.train.batch_size, pairs)

@@ -268,8 +268,12 @@ def plan_table_markdown(plan: Plan) -> str:
                     "checkpointed fits, and selective keeps more than full in every block")
     chosen = plan.chosen or (plan.table[0] if plan.table else None)
     if chosen is not None and "reference" in chosen.extra:  # train.objective dpo: the rows are pairs x 2
+        held = chosen.extra["reference_bytes"]
+        counted = [f"+{held / GB:.4g} GB of its weights"] if held else []
+        if chosen.extra["reference"] in ("adapter_off", "copy"):
+            counted.append("its no-grad forward traced in the step")
         rows.append(f"\ndpo: micro-batches of pairs (chosen + rejected: 2 rows each); reference counted: "
-                    f"{chosen.extra['reference_why']} (+{chosen.extra['reference_bytes'] / GB:.4g} GB counted for it)")
+                    f"{chosen.extra['reference_why']}" + (f" ({'; '.join(counted)})" if counted else ""))
     return "\n".join(rows)
 
 

@@ -87,16 +87,16 @@ def explicit_mask(cfg: Any, hf_config: Any) -> bool:
 def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = None) -> Estimator:
     hf_config = hf_config if hf_config is not None else model_config_for(cfg)
     masked = explicit_mask(cfg, hf_config)
-    seq_len, keep = cfg.data.seq_len, None
+    seq_len, keep, covered = cfg.data.seq_len, None, None
     if cfg.train.objective == "dpo":  # a DPO batch is cut to its longest side: the data's longest pair, when known
-        from memfit.memory.planner.pair_length import planned_logits_keep, planned_seq_len
+        from memfit.memory.planner.pair_length import planned_coverage, planned_logits_keep, planned_seq_len
 
-        seq_len, keep = planned_seq_len(cfg), planned_logits_keep(cfg)
+        seq_len, keep, covered = planned_seq_len(cfg), planned_logits_keep(cfg), planned_coverage(cfg)
     return Estimator(hf_config, seq_len, profile,
                      lora_cfg=cfg.lora, save_ops=cfg.memory.selective_save_ops, block_class=cfg.memory.block_class,
                      weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
                      anchor_micro_batch=cfg.train.micro_batch_size, loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
-                     dpo=cfg.dpo if cfg.train.objective == "dpo" else None, dpo_logits_keep=keep,
+                     dpo=cfg.dpo if cfg.train.objective == "dpo" else None, dpo_logits_keep=keep, dpo_coverage=covered,
                      attention_mask=masked,
                      flattened=masked and cfg.data.packing == "padding_free" and cfg.data.flatten is True)
 
