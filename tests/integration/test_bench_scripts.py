@@ -37,3 +37,13 @@ def test_packing_bench_trains_each_packing_mode(tmp_path: Path) -> None:
                  "--batch", "2", "--steps", "1", "--rounds", "1", "--threads", "1", cwd=tmp_path)
     rows = [line.split(" | ")[0].strip("| ") for line in out.splitlines() if line.startswith("| ")]
     assert rows[1:] == ["blocks", "padding_free", "none"], out
+
+
+def test_dpo_estimate_bench_writes_its_rows(tmp_path: Path) -> None:
+    """Each reference mode's planned and real peak of one DPO step, a row each, and its JSON (docs/preference.md)."""
+    out = _bench("dpo_estimate.py", "--small", "--threads", "1", "--out", str(tmp_path), cwd=tmp_path)
+    rows = [line.split(" | ")[1] for line in out.splitlines() if line.startswith("| 2 blocks")]
+    assert rows == ["precompute", "adapter_off", "copy", "precompute"], out
+    import json
+
+    assert len(json.loads((tmp_path / "dpo_estimate.json").read_text())["rows"]) == 4
