@@ -147,6 +147,12 @@ def test_dpo_is_planned_for_the_datas_longest_pair_when_the_data_is_known(tmp_pa
     shortest = min(int((rows[k] == -100).int().cumprod(dim=1).sum(dim=1).min()) for k in ("labels", "rejected_labels"))
     assert est.dpo_logits_keep == longest - shortest + 1 < longest
     assert est.at_seq_len(512).dpo_logits_keep is None  # other rows: every position
+    from memfit.memory.planner.search import estimate_report
+
+    report = estimate_report(cfg, "cpu")  # what `memfit estimate` prints: the rows it traced, not data.seq_len
+    assert report["seq_len"] == longest and report["dpo"]["pairs_read"]
+    assert report["dpo"]["logits_keep"] == longest - shortest + 1
+    assert report["dpo"]["coverage"] > 1 and report["dpo"]["reference"] == "precompute"  # 40 x 8 over < 200 pairs
     stack = Stack("fp32", cfg.train.micro_batch_size, 1, False)
     assert est.estimate(stack, ["none"] * est.n_blocks).peak_bytes < \
         est.at_seq_len(512).estimate(stack, ["none"] * est.n_blocks).peak_bytes

@@ -208,6 +208,13 @@ def estimate_text(out: dict[str, Any]) -> str:
         f"{out['experts']['routed']} routed experts; routed activations booked as tokens x top-k rows, which "
         f"grouped_mm holds however the router spreads them)")
     lines.append(f"  parameters: {_count(out['params_total'])}{active}")
+    if (dpo := out.get("dpo")) is not None:
+        read = "the data's longest pair" if dpo["pairs_read"] else "data.seq_len: the pairs or their tokenizer unread"
+        head = "every position" if dpo["logits_keep"] is None else f"the last {dpo['logits_keep']} positions"
+        passes = "" if dpo["coverage"] is None else f"; the steps go over the training pairs {dpo['coverage']:.2f}x"
+        lines.append(f"  dpo: {dpo['pairs']} pair{'s' if dpo['pairs'] != 1 else ''} a micro-batch ({dpo['rows']} "
+                     f"rows of {dpo['row_tokens']} tokens, {read}), the head on {head}{passes}")
+        lines.append(f"  reference: {dpo['reference_why']}")
     for row in out["adapter_rows"]:
         fits = "" if row["fits"] is None else (": fits" if row["fits"] else ": does NOT fit")
         lines.append(f"  {row['stack']:<17} peak {row['peak_bytes'] / gb:8.3f} GB, weights "

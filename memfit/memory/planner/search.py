@@ -316,8 +316,8 @@ def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None
         "peak_at": e.peak_at, "policy": e.policy, "every_k": e.every_k,
         "blocks": {k: sum(1 for x in e.kinds if x == k) for k in sorted(set(e.kinds))},
         "precision": e.stack.precision, "micro_batch_size": e.stack.micro_batch_size,
-        "grad_accum_steps": e.stack.grad_accum_steps, "seq_len": cfg.data.seq_len, "lora": e.stack.lora,
-        "quantize": e.stack.quantize,
+        "grad_accum_steps": e.stack.grad_accum_steps, "seq_len": est.seq_len, "lora": e.stack.lora,
+        "quantize": e.stack.quantize, "dpo": dpo_report(cfg, est, e),
         "n_params": e.n_params, "n_trainable": e.n_trainable, "weight_bytes": e.weight_bytes,
         "host_bytes": e.host_bytes, "predicted_step_seconds": round(e.step_seconds, 6),
         "device": profile.name, "device_memory_bytes": profile.memory_bytes,
@@ -325,6 +325,20 @@ def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None
         "fits": None if limit is None else e.peak_bytes <= limit, "method": e.method,
         "elapsed_seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def dpo_report(cfg: Any, est: Estimator, e: Estimate) -> dict[str, Any] | None:
+    """What a DPO estimate planned (None for sft): its rows (the data's longest pair, or data.seq_len unread), the
+    head's kept positions, the passes over the pairs and the reference mode they resolve, and why."""
+    if est.dpo is None:
+        return None
+    from memfit.memory.planner.pair_length import pair_lengths
+
+    pairs = e.stack.micro_batch_size
+    return {"pairs_read": pair_lengths(cfg) is not None, "pairs": pairs, "rows": pairs * est.rows_per_example,
+            "row_tokens": est.seq_len, "data_seq_len": cfg.data.seq_len, "logits_keep": est.dpo_logits_keep,
+            "coverage": est.dpo_coverage, "reference": e.extra.get("reference"),
+            "reference_bytes": e.extra.get("reference_bytes"), "reference_why": e.extra.get("reference_why")}
 
 
 def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = None,
