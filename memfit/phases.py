@@ -20,7 +20,7 @@ from memfit.memory.estimator.fake_model import config_from_dict
 from memfit.memory.estimator.probe import explain_oom, measure_step, verdict, weights_to_device
 from memfit.memory.planner.plan_cache import cache_path, load_plan, plan_key, store_plan
 from memfit.memory.planner.replan import plan_at_resume, trained_as
-from memfit.memory.planner.report import plan_report
+from memfit.memory.planner.run_plan import run_plan
 from memfit.memory.planner.search import estimate_policy, resolve_budget, target_profile
 from memfit.memory.techniques.policies import make_policy
 from memfit.preflight import preflight
@@ -118,7 +118,7 @@ def _planned(cfg: MemfitConfig, probe_report: ProbeReport, profile: Any, budget:
     cached = cache_path(cfg.run.work_dir, plan_key(cfg, profile, budget, source, probe_report.architecture, measured))
     report = load_plan(cached)
     if report is None:
-        report = plan_report(cfg, probe_report, profile, budget, source, measured)
+        report = run_plan(cfg, probe_report, profile, budget, source, measured)
         store_plan(cached, report)
     log.info("optimisation stack: %s (%s)", report.description, report.reason)
     if report.evaluation:  # phase 5 on the same device: said now, not after hours of training

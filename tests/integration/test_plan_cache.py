@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from memfit import phases
-from memfit.memory.planner import plan_cache, report
+from memfit.memory.planner import plan_cache, run_plan
 
 pytestmark = pytest.mark.integration
 
@@ -16,13 +16,13 @@ pytestmark = pytest.mark.integration
 def counted(monkeypatch):
     """Each call of the planner proper (what the cache saves), recorded."""
     calls: list[float | None] = []
-    real = report.plan_for
+    real = run_plan.plan_for
 
     def plan_for(cfg, profile, budget, source, **kwargs):
         calls.append(budget)
         return real(cfg, profile, budget, source, **kwargs)
 
-    monkeypatch.setattr(report, "plan_for", plan_for)
+    monkeypatch.setattr(run_plan, "plan_for", plan_for)
     return calls
 
 

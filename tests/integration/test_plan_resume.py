@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from memfit import phases
-from memfit.memory.planner import report as planner_report
+from memfit.memory.planner import run_plan
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def test_resume_on_the_same_device_reuses_the_saved_plan_without_planning(tiny_c
     def no_planning(*_a, **_k):
         raise AssertionError("the planner ran on a resume that should reuse the saved plan")
 
-    monkeypatch.setattr(planner_report, "plan_for", no_planning)
+    monkeypatch.setattr(run_plan, "plan_for", no_planning)
     monkeypatch.setattr(phases, "load_plan", no_planning)  # not the plan cache either
     with caplog.at_level(logging.INFO, logger="memfit"):
         reused = phases.plan_stack(longer, probe, resume)

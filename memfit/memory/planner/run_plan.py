@@ -1,4 +1,4 @@
-"""From the planner's search to the run's PlanReport: the chosen stack, its reason, every candidate's row."""
+"""Phase 2's plan: the planner's search made the run's PlanReport (the chosen stack, its reason, every row)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from memfit.reports import PlanReport, ProbeReport
 log = logging.getLogger("memfit.phases")  # the phase's own logger: the warning reads as phase 2's
 
 
-def plan_report(cfg: Any, probe_report: ProbeReport, profile: DeviceProfile, budget: int | None, source: str,
-                measured: list[Any]) -> PlanReport:
+def run_plan(cfg: Any, probe_report: ProbeReport, profile: DeviceProfile, budget: int | None, source: str,
+             measured: list[Any]) -> PlanReport:
     """The planner's search made the run's PlanReport: the fastest stack that fits (or a fixed policy, warned of
     when predicted not to fit), with phase 5's memory on the same device; no stack that fits is an error."""
     device = probe_report.environment["device"]
