@@ -41,6 +41,13 @@ def where_time_goes(trace: dict[str, Any], top: int = TOP) -> dict[str, Any]:
     ops = [e for e in events if e.get("cat") == "cpu_op"]
     if ops:  # what the host's ops span: much more than their self times is host time outside torch's ops (Python)
         out["host_span_ms"] = round((max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)) / 1e3, 3)
+    # Where the host waited for the device: each read of a device value (.item(), float(), a bool) is an
+    # aten::_local_scalar_dense op that returns only when the GPU has run everything queued before it; explicit
+    # synchronizations are CUDA runtime calls. On a CPU run the reads cost nothing and the calls are absent.
+    reads = [e for e in events if e.get("cat") == "cpu_op" and e["name"] == "aten::_local_scalar_dense"]
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]]
+    out["host_reads"], out["host_reads_ms"] = len(reads), round(sum(float(e["dur"]) for e in reads) / 1e3, 3)
+    out["syncs"], out["syncs_ms"] = len(syncs), round(sum(float(e["dur"]) for e in syncs) / 1e3, 3)
     if kernels:
         out["kernels"] = len(kernels)
         out["gpu_busy_ms"] = round(_union(kernels) / 1e3, 3)
@@ -61,6 +68,10 @@ def markdown(where: dict[str, Any]) -> list[str]:
                  f"({where['kernels']} kernels); {host}."]
     else:
         lines = [host[0].upper() + host[1:] + "."]
+    if where.get("host_reads") or where.get("syncs"):
+        lines[0] += (f" The host read {where['host_reads']} device value(s) ({where['host_reads_ms']:.1f} ms, each "
+                     f"a wait for the GPU on CUDA) and synchronized {where['syncs']} time(s) "
+                     f"({where['syncs_ms']:.1f} ms).")
     for key, title in (("top_kernels_ms", "kernel"), ("top_host_ops_self_ms", "host op, self time")):
         if where.get(key):
             lines += ["", f"| ms | {title} |", "|---:|---|"]

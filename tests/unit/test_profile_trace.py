@@ -54,3 +54,31 @@ def test_a_real_profiler_trace_names_the_matmuls(tmp_path):
     ours = next(ms for ms, name in where["top_host_ops_self_ms"] if name == "aten::mm")
     theirs = next(e.self_cpu_time_total for e in prof.key_averages() if e.key == "aten::mm") / 1e3
     assert abs(ours - theirs) <= 0.02 * theirs + 0.05
+
+
+def test_the_hosts_waits_for_the_device_are_counted():
+    # Two reads of a device value (each returns when the GPU has caught up: 4 ms and 1 ms here) and one explicit
+    # synchronization: what holds a step back when its GPU span is much longer than its busy time.
+    runtime = [op("cudaStreamSynchronize", 12000, 2500, cat="cuda_runtime"),
+               op("cudaLaunchKernel", 15000, 10, cat="cuda_runtime")]
+    trace = {"traceEvents": [op("aten::item", 0, 4100), op("aten::_local_scalar_dense", 50, 4000),
+                             op("aten::_local_scalar_dense", 9000, 1000), *runtime,
+                             op("gemm", 100, 3900, cat="kernel")]}
+    where = where_time_goes(trace)
+    assert (where["host_reads"], where["host_reads_ms"], where["syncs"], where["syncs_ms"]) == (2, 5.0, 1, 2.5)
+    assert markdown(where)[0].endswith("The host read 2 device value(s) (5.0 ms, each a wait for the GPU on CUDA) "
+                                       "and synchronized 1 time(s) (2.5 ms).")
+    assert "The host read" not in markdown(where_time_goes({"traceEvents": [op("aten::mm", 0, 10)]}))[0]
+
+
+def test_a_real_trace_counts_item_as_a_host_read(tmp_path):
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            float((a @ a).sum())
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    import json
+
+    assert where_time_goes(json.loads((tmp_path / "t.json").read_text()))["host_reads"] == 3
