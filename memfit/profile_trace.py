@@ -41,12 +41,15 @@ def where_time_goes(trace: dict[str, Any], top: int = TOP) -> dict[str, Any]:
     ops = [e for e in events if e.get("cat") == "cpu_op"]
     if ops:  # what the host's ops span: much more than their self times is host time outside torch's ops (Python)
         out["host_span_ms"] = round((max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)) / 1e3, 3)
-    # Where the host waited for the device: each read of a device value (.item(), float(), a bool) is an
-    # aten::_local_scalar_dense op that returns only when the GPU has run everything queued before it; explicit
-    # synchronizations are CUDA runtime calls. On a CPU run the reads cost nothing and the calls are absent.
-    reads = [e for e in events if e.get("cat") == "cpu_op" and e["name"] == "aten::_local_scalar_dense"]
-    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]]
-    out["host_reads"], out["host_reads_ms"] = len(reads), round(sum(float(e["dur"]) for e in reads) / 1e3, 3)
+    # Where the host waited for the device: a read of a device value (.item(), float(), a tensor's truth) is an
+    # aten::_local_scalar_dense op that calls the CUDA runtime (the copy back) and returns only when the GPU has run
+    # everything queued before it; a read of a host tensor (an optimizer's step counter) calls nothing. Explicit
+    # synchronizations outside such reads are runtime calls of their own. A CPU run has neither.
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    reads = [e for e in events if e.get("cat") == "cpu_op" and e["name"] == "aten::_local_scalar_dense"
+             and any(_inside(r, e) for r in runtime)]
+    syncs = [e for e in runtime if "Synchronize" in e["name"] and not any(_inside(e, r) for r in reads)]
+    out["device_reads"], out["device_reads_ms"] = len(reads), round(sum(float(e["dur"]) for e in reads) / 1e3, 3)
     out["syncs"], out["syncs_ms"] = len(syncs), round(sum(float(e["dur"]) for e in syncs) / 1e3, 3)
     if kernels:
         out["kernels"] = len(kernels)
@@ -68,15 +71,21 @@ def markdown(where: dict[str, Any]) -> list[str]:
                  f"({where['kernels']} kernels); {host}."]
     else:
         lines = [host[0].upper() + host[1:] + "."]
-    if where.get("host_reads") or where.get("syncs"):
-        lines[0] += (f" The host read {where['host_reads']} device value(s) ({where['host_reads_ms']:.1f} ms, each "
-                     f"a wait for the GPU on CUDA) and synchronized {where['syncs']} time(s) "
+    if where.get("device_reads") or where.get("syncs"):
+        lines[0] += (f" The host waited for the GPU: {where['device_reads']} read(s) of a device value "
+                     f"({where['device_reads_ms']:.1f} ms), {where['syncs']} other synchronization(s) "
                      f"({where['syncs_ms']:.1f} ms).")
     for key, title in (("top_kernels_ms", "kernel"), ("top_host_ops_self_ms", "host op, self time")):
         if where.get(key):
             lines += ["", f"| ms | {title} |", "|---:|---|"]
             lines += [f"| {ms:.2f} | `{name[:100].replace('|', '/').replace('`', '')}` |" for ms, name in where[key]]
     return lines
+
+
+def _inside(inner: dict[str, Any], outer: dict[str, Any]) -> bool:
+    """Whether `inner` ran within `outer` on the same thread (a runtime call an op made)."""
+    return (inner.get("pid"), inner.get("tid")) == (outer.get("pid"), outer.get("tid")) and \
+        outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
 
 
 def _top(times: dict[str, float], top: int) -> list[list[Any]]:

@@ -57,28 +57,33 @@ def test_a_real_profiler_trace_names_the_matmuls(tmp_path):
 
 
 def test_the_hosts_waits_for_the_device_are_counted():
-    # Two reads of a device value (each returns when the GPU has caught up: 4 ms and 1 ms here) and one explicit
-    # synchronization: what holds a step back when its GPU span is much longer than its busy time.
-    runtime = [op("cudaStreamSynchronize", 12000, 2500, cat="cuda_runtime"),
-               op("cudaLaunchKernel", 15000, 10, cat="cuda_runtime")]
-    trace = {"traceEvents": [op("aten::item", 0, 4100), op("aten::_local_scalar_dense", 50, 4000),
-                             op("aten::_local_scalar_dense", 9000, 1000), *runtime,
-                             op("gemm", 100, 3900, cat="kernel")]}
+    # Two reads of a device value (each calls the runtime for the copy back and returns when the GPU has caught
+    # up: 4 ms and 1 ms), a read of a host tensor (an optimizer's step counter: no runtime call, no wait), and one
+    # synchronization of its own: what holds a step back when its GPU span is much longer than its busy time.
+    trace = {"traceEvents": [
+        op("aten::item", 0, 4100), op("aten::_local_scalar_dense", 50, 4000),
+        op("cudaMemcpyAsync", 60, 3980, cat="cuda_runtime"), op("cudaStreamSynchronize", 4040, 5, cat="cuda_runtime"),
+        op("aten::_local_scalar_dense", 9000, 1000), op("cudaMemcpyAsync", 9010, 980, cat="cuda_runtime"),
+        op("aten::_local_scalar_dense", 11000, 3),  # a host tensor's
+        op("cudaStreamSynchronize", 12000, 2500, cat="cuda_runtime"),
+        op("cudaLaunchKernel", 15000, 10, cat="cuda_runtime"), op("gemm", 100, 3900, cat="kernel")]}
     where = where_time_goes(trace)
-    assert (where["host_reads"], where["host_reads_ms"], where["syncs"], where["syncs_ms"]) == (2, 5.0, 1, 2.5)
-    assert markdown(where)[0].endswith("The host read 2 device value(s) (5.0 ms, each a wait for the GPU on CUDA) "
-                                       "and synchronized 1 time(s) (2.5 ms).")
-    assert "The host read" not in markdown(where_time_goes({"traceEvents": [op("aten::mm", 0, 10)]}))[0]
+    assert (where["device_reads"], where["device_reads_ms"], where["syncs"], where["syncs_ms"]) == (2, 5.0, 1, 2.5)
+    assert markdown(where)[0].endswith("The host waited for the GPU: 2 read(s) of a device value (5.0 ms), 1 other "
+                                       "synchronization(s) (2.5 ms).")
+    assert "waited" not in markdown(where_time_goes({"traceEvents": [op("aten::mm", 0, 10)]}))[0]
 
 
-def test_a_real_trace_counts_item_as_a_host_read(tmp_path):
+def test_a_cpu_trace_reads_no_device_value(tmp_path):
     from torch.profiler import ProfilerActivity, profile
 
     a = torch.randn(64, 64)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
-            float((a @ a).sum())
+            float((a @ a).sum())  # three reads, of host tensors: no wait for any device
     prof.export_chrome_trace(str(tmp_path / "t.json"))
     import json
 
-    assert where_time_goes(json.loads((tmp_path / "t.json").read_text()))["host_reads"] == 3
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert sum(e.get("name") == "aten::_local_scalar_dense" for e in events) == 3
+    assert where_time_goes({"traceEvents": events})["device_reads"] == 0
