@@ -36,7 +36,7 @@ def _lengths(cfg: Any) -> tuple[int, int, int] | None:
     from memfit.data.formats import data_digest, load_texts
     from memfit.data.pairs import REJECTED, encode_pairs
     from memfit.errors import MemfitError
-    from memfit.models.loading import configured_tokenizer, load_model_and_tokenizer
+    from memfit.models.loading import configured_tokenizer, model_source
 
     try:
         if cfg.model.name_or_path:
@@ -49,8 +49,8 @@ def _lengths(cfg: Any) -> tuple[int, int, int] | None:
             if lengths is not None:
                 return lengths
         corpus = load_texts(cfg.data)
-        if not cfg.model.name_or_path:  # a preset: built on first use (small), as a run builds it
-            _, tokenizer, _ = load_model_and_tokenizer(cfg, corpus, data_digest(corpus))
+        if not cfg.model.name_or_path:  # a preset: built on first use (small), as a run builds it; its tokenizer
+            tokenizer = configured_tokenizer(cfg, model_source(cfg, corpus, data_digest(corpus)))
         rows, _, _ = encode_pairs(corpus, tokenizer, cfg.data, 0)  # the pad id changes no length
     except (MemfitError, OSError, ValueError) as err:
         log.info("dpo estimate: planned for data.seq_len=%d pairs (the data's own lengths unread: %s)",
