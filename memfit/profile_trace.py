@@ -45,7 +45,9 @@ def where_time_goes(trace: dict[str, Any], top: int = TOP) -> dict[str, Any]:
     # aten::_local_scalar_dense op that calls the CUDA runtime (the copy back) and returns only when the GPU has run
     # everything queued before it; a read of a host tensor (an optimizer's step counter) calls nothing. Explicit
     # synchronizations outside such reads are runtime calls of their own. A CPU run has neither.
-    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    # Only the copies and waits are looked at (a GPU step's trace holds a runtime launch call per kernel).
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+               and ("Memcpy" in e["name"] or "Synchronize" in e["name"])]
     reads = [e for e in events if e.get("cat") == "cpu_op" and e["name"] == "aten::_local_scalar_dense"
              and any(_inside(r, e) for r in runtime)]
     syncs = [e for e in runtime if "Synchronize" in e["name"] and not any(_inside(e, r) for r in reads)]
