@@ -365,6 +365,5 @@ def launch_node(cfg: MemfitConfig) -> TrainReport | None:
     return train_distributed(cfg, plan, resume, None)
 
 
-
 def _source_name(cfg: MemfitConfig) -> str:
     return cfg.model.name_or_path or f"preset:{cfg.model.preset}"

@@ -100,12 +100,10 @@ def remember_memory_limit(cfg: MemfitConfig, plan: PlanReport, reading: dict[str
     return written
 
 
-
 def staging_dir(cfg: MemfitConfig, what: str) -> Path:
     """A local folder for `what` (staging, resume, export-src, ...) of this run's checkpoint.uri."""
     key = hashlib.sha256(cfg.checkpoint.uri.encode()).hexdigest()[:12]
     return Path(cfg.run.work_dir) / what / key
-
 
 
 def checkpoint_manager(cfg: MemfitConfig) -> CheckpointManager:
@@ -114,7 +112,6 @@ def checkpoint_manager(cfg: MemfitConfig) -> CheckpointManager:
                              staging_dir=staging_dir(cfg, "staging"), on_busy=ck.on_busy,
                              upload_attempts=ck.upload_attempts, retry_backoff_s=ck.retry_backoff_seconds,
                              grace_seconds=ck.grace_seconds, every_steps=ck.every_steps)
-
 
 
 def sharded_checkpointer(cfg: MemfitConfig, rank: int, world_size: int) -> Any:
@@ -137,9 +134,6 @@ def git_commit() -> str | None:
         return None
 
 
-
-
-
 def configured_plan(cfg: MemfitConfig, policy: str = "none", reason: str = "as configured") -> PlanReport:
     """A plan the planner did not make: `policy` with the config's own precision, micro-batch, LoRA setting and
     techniques (`memfit profile --compare`, benchmarks, tests); an auto loss or optimizer is resolved when built."""
@@ -151,7 +145,6 @@ def configured_plan(cfg: MemfitConfig, policy: str = "none", reason: str = "as c
                       reason=reason, description=description, lora=lora,
                       quantize=cfg.lora.quantize if lora else "none", loss=m.loss, optimizer=m.optimizer,
                       optimizer_in_backward=m.optimizer_in_backward is True, lean_layers=m.lean_layers is True)
-
 
 
 def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanReport) -> torch.nn.Module:
@@ -174,7 +167,6 @@ def build_training_model(cfg: MemfitConfig, model: torch.nn.Module, plan: PlanRe
     return model
 
 
-
 def log_training_end(tracker: Any, plan: PlanReport, probe_report: ProbeReport | None, steps: int) -> None:
     """The memory figure and the tracking overhead; the run stays open for phase 5 (which ends it)."""
     tracker.flush()
@@ -190,7 +182,6 @@ def log_training_end(tracker: Any, plan: PlanReport, probe_report: ProbeReport |
         close()
 
 
-
 def record_plan_at_resume(tracker: Any, plan: PlanReport, step: int | None) -> None:
     """On the run in MLflow: the plan reused from the training checkpoint, or why it was planned again and what
     changed (a tag and the new plan beside the first one)."""
@@ -199,7 +190,6 @@ def record_plan_at_resume(tracker: Any, plan: PlanReport, step: int | None) -> N
         tracker.log_text(json.dumps(plan.model_dump(mode="json"), indent=2), f"memory/plan-at-step-{step}.json")
     elif plan.reused_from_step is not None:
         tracker.set_tags({"memfit.plan": f"reused from the training checkpoint at step {plan.reused_from_step}"})
-
 
 
 def run_tags(device: torch.device) -> dict[str, str]:
@@ -211,7 +201,6 @@ def run_tags(device: torch.device) -> dict[str, str]:
     if commit:
         tags["mlflow.source.git.commit"] = commit
     return tags
-
 
 
 def log_run_start(tracker: Any, cfg: MemfitConfig, plan: PlanReport, data: DataBundle,
@@ -257,7 +246,6 @@ def plan_table(plan: dict[str, Any], baseline: dict[str, Any] | None) -> str:
         if baseline.get("message"):
             lines += ["", str(baseline["message"])]
     return "\n".join(lines) + "\n"
-
 
 
 def packing_alternatives(cfg: MemfitConfig, device: str | None = None) -> tuple[str, list[dict[str, Any]]]:

@@ -176,7 +176,6 @@ class RegistrySource:
         finally:
             shutil.rmtree(dest.parent / "r", ignore_errors=True)
 
-
     def _fetch_artifacts(self, run_id: str | None, path: str, dest: Path) -> None:
         """A folder of the version's run (e.g. export/gguf), when it has one."""
         from mlflow.artifacts import download_artifacts

@@ -42,6 +42,7 @@ def config_from_dict(config_dict: dict[str, Any] | None) -> Any:
     d = dict(config_dict)
     return AutoConfig.for_model(d.pop("model_type"), **d)
 
+
 def n_blocks_of(hf_config: Any) -> int:
     n = getattr(hf_config, "num_hidden_layers", None)
     if not isinstance(n, int) or n < 1:

@@ -343,6 +343,7 @@ def configured_policy(memory: Any, name: str, every_k: int | None = None,
     return make_policy(name, every_k=every_k or memory.every_k, save_ops=memory.selective_save_ops,
                        block_class=memory.block_class, kinds=kinds)
 
+
 def apply_policy(model: nn.Module, policy: GradCheckpointPolicy) -> None:
     """The one place a gradient-checkpointing policy touches a model."""
     base = _base_model(model)
