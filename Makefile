@@ -5,10 +5,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memfit-installed
 GGUF_STAMP := $(VENV)/.memfit-gguf-installed
+DEEPSPEED_STAMP := $(VENV)/.memfit-deepspeed-installed
 # make test also installs the gguf extra (llama-cpp-python, which compiles llama.cpp: ~12 min on 2 cores the first
 # time, seconds once pip has cached the wheel) so the GGUF exports are checked by llama.cpp; GGUF=0 skips it and
 # those tests skip. make run never needs it.
 GGUF ?= 1
+# make test also installs the deepspeed extra (pure Python without its compiled ops: ~15 s), so the ZeRO-2/3
+# strategies, SFT and DPO, are tested under torchrun; DEEPSPEED=0 skips it and those tests skip.
+DEEPSPEED ?= 1
 # llama.cpp without its multimodal library (memfit loads text models only): 237 s instead of 299 s on 2 cores.
 LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
 # CPU wheel by default (it lies on this machine's disk). GPU machines, e.g.:
@@ -45,6 +49,13 @@ $(GGUF_STAMP): $(STAMP)
 	@tail -n 1 $(VENV)/install-gguf.log
 	@touch $@
 
+# DeepSpeed's ops are JIT-built on first use where CUDA build tools exist; none are needed for ZeRO with torch's AdamW.
+$(DEEPSPEED_STAMP): $(STAMP)
+	@echo "installing deepspeed for the ZeRO tests (log: $(VENV)/install-deepspeed.log)"
+	@DS_BUILD_OPS=0 DS_SKIP_CUDA_CHECK=1 $(BIN)/python -m pip install -c constraints.txt --no-build-isolation \
+		-e '.[deepspeed]' >$(VENV)/install-deepspeed.log 2>&1 || { cat $(VENV)/install-deepspeed.log; exit 1; }
+	@touch $@
+
 run: $(STAMP)
 	$(BIN)/memfit run $(CONFIG)
 
@@ -54,7 +65,7 @@ run: $(STAMP)
 # 2 cores, 2026-12-02: one process 2367 s, two workers 1459 s (docs/testing.md). TEST_WORKERS=0: one process.
 # The 30 slowest tests are listed at the end, so every CI log says where the suite's time goes.
 TEST_WORKERS ?= 2
-test: lint $(if $(filter 1,$(GGUF)),$(GGUF_STAMP))
+test: lint $(if $(filter 1,$(GGUF)),$(GGUF_STAMP)) $(if $(filter 1,$(DEEPSPEED)),$(DEEPSPEED_STAMP))
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 test-fast: $(STAMP)

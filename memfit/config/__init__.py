@@ -229,12 +229,11 @@ class MemfitConfig(_Section):
         if self.dpo.reference == "adapter_off" and self.lora.enabled is False:
             raise ValueError("dpo.reference: adapter_off disables the LoRA adapters for the reference, and "
                              "lora.enabled is false; enable LoRA or use dpo.reference copy or precompute")
-        if self.distributed.world_size > 1 and self.distributed.strategy.startswith("deepspeed"):
-            raise ValueError(f"train.objective: dpo runs under ddp and fsdp2, not {self.distributed.strategy} yet; "
-                             "set distributed.strategy to ddp, fsdp2 or auto")
-        if self.distributed.world_size > 1 and self.dpo.reference == "copy" and self.distributed.strategy == "fsdp2":
-            raise ValueError("dpo.reference: copy is not supported with distributed.strategy fsdp2 (a frozen copy "
-                             "of a sharded model); use precompute (or auto), or adapter_off with LoRA")
+        sharded = self.distributed.strategy in ("fsdp2", "deepspeed_zero3")  # parameters split over the ranks
+        if self.distributed.world_size > 1 and self.dpo.reference == "copy" and sharded:
+            raise ValueError(f"dpo.reference: copy is not supported with distributed.strategy "
+                             f"{self.distributed.strategy} (a frozen copy of a sharded model); use precompute (or "
+                             "auto), or adapter_off with LoRA")
         return self
 
     @model_validator(mode="after")

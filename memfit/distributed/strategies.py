@@ -138,6 +138,17 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
+def unwrapped_engine(model: nn.Module) -> nn.Module:
+    """The module a DeepSpeed engine trains (the engine itself holds its optimizer and buffers: never copied)."""
+    return model.module if type(model).__name__ == "DeepSpeedEngine" else model
+
+
+def sharded_parameters(model: nn.Module) -> bool:
+    """Whether the model's parameters are split over the ranks (FSDP2's DTensors, ZeRO-3's partitions): such a model
+    is not copied (each rank holds a slice), and reading its weights whole is a collective."""
+    return any(type(p).__name__ == "DTensor" or hasattr(p, "ds_tensor") for p in model.parameters())
+
+
 def grad_norm_value(norm: Any) -> float:
     """clip_grad_norm_ returns a DTensor under FSDP2: its full value is the global norm."""
     full = getattr(norm, "full_tensor", None)

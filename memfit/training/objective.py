@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.data.pairs import REJECTED
+from memfit.distributed.strategies import sharded_parameters, unwrapped_engine
 from memfit.errors import ConfigError
 from memfit.memory.techniques.logps import first_predicting, keeps_logits, sequence_logps
 from memfit.memory.techniques.loss import Batch, LossPolicy, blocks_batch, make_loss
@@ -78,7 +79,7 @@ class FrozenCopy(Reference):
     name = "copy"
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.model = copy.deepcopy(unwrapped_engine(model)).eval().requires_grad_(False)
 
     @torch.no_grad()
     def logps(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,18 +242,18 @@ def precompute_reference(model: nn.Module, data: Any, batch_size: int, device: t
 
 def make_reference(setting: str, loss_type: str, model: nn.Module, coverage: float | None = None) -> Reference:
     """dpo.reference resolved on the model by estimator/preference.py's rule (auto: precompute when the run goes over
-    its pairs at least once, else adapter_off for a peft model, else copy); simpo needs none. `model` is the
-    unwrapped module (DDP's inner one); an FSDP2-sharded model is not copied: auto precomputes instead."""
+    its pairs at least once, else adapter_off for a peft model, else copy, or precompute for a sharded model);
+    simpo needs none. `model` is the policy as it runs (DDP's inner module, the DeepSpeed engine)."""
     from memfit.memory.estimator.preference import reference_mode
 
-    mode = reference_mode(setting, loss_type, hasattr(model, "disable_adapter"), coverage)
-    sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
+    sharded = sharded_parameters(model)
+    mode = reference_mode(setting, loss_type, hasattr(model, "disable_adapter"), coverage, sharded)
     if mode == "copy" and sharded:
-        if setting != "auto":
-            raise ConfigError("dpo.reference: copy is not supported with distributed.strategy fsdp2 (a frozen copy "
-                              "of a sharded model); use precompute (or auto), or adapter_off with LoRA")
-        log.info("dpo.reference auto: an FSDP2-sharded model is not copied: precompute instead")
-        mode = "precompute"
+        raise ConfigError("dpo.reference: copy is not supported with a sharded model (distributed.strategy fsdp2 or "
+                          "deepspeed_zero3: each rank holds a slice); use precompute (or auto), or adapter_off with "
+                          "LoRA")
+    if setting == "auto" and sharded and mode == "precompute" and (coverage is None or coverage < 1.0):
+        log.info("dpo.reference auto: a sharded model (FSDP2, ZeRO-3) is not copied: precompute instead")
     if mode == "none":
         return Reference()
     if mode == "adapter_off":

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from memfit.distributed.strategies import unwrapped_engine
 
 log = logging.getLogger("memfit.train")
 PREFIX = "reference"  # beside the step-NNNNNNNN/ folders; the checkpoint index lists and prunes only those
@@ -18,17 +21,32 @@ def weights_fingerprint(model: nn.Module, samples: int = 4096) -> str:
     sum (in its own dtype) and `samples` evenly spaced values (one host read for all). Enough to tell another
     starting point (a new base, other adapters, a quantized copy) from the same one."""
     names, parts = [], []
-    for name, t in model.state_dict().items():
-        full = getattr(t, "full_tensor", None)  # FSDP2: the whole tensor (collective, every rank in this order)
-        flat = (full() if callable(full) else t).detach().reshape(-1)
+    for name, whole in _whole_tensors(unwrapped_engine(model)):  # the module's names under any wrapper
+        flat = whole.detach().reshape(-1)
         if not flat.numel():
             continue
-        names.append(f"{name}:{tuple(t.shape)}:{t.dtype}")
+        names.append(f"{name}:{tuple(whole.shape)}:{whole.dtype}")
         idx = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel()), device=flat.device).long()
-        total = flat.sum().reshape(1) if t.is_floating_point() else flat[:0]
+        total = flat.sum().reshape(1) if whole.is_floating_point() else flat[:0]
         parts.append(torch.cat([total.double(), flat[idx].double()]))
     values = torch.cat(parts).cpu().numpy().tobytes() if parts else b""
     return hashlib.sha256("\n".join(names).encode() + values).hexdigest()[:24]
+
+
+def _whole_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) of the state dict, one at a time: an FSDP2 DTensor's full_tensor(), a ZeRO-3 partitioned
+    parameter gathered for as long as the caller reads it (both collective: every rank goes in this order)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, t in model.state_dict().items():
+        p = params.get(name)
+        if p is not None and hasattr(p, "ds_tensor"):  # ZeRO-3: the state dict holds an empty placeholder
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p]):
+                yield name, p.data
+            continue
+        full = getattr(t, "full_tensor", None)
+        yield name, full() if callable(full) else t
 
 
 def cache_key(model: nn.Module, data: Any, batch_size: int, precision: str) -> str:

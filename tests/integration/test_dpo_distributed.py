@@ -1,8 +1,10 @@
-"""DPO under torchrun: two CPU ranks (gloo) train as one process does, with DDP (a frozen copy as reference) and
-FSDP2 (auto precomputes: a sharded model is not copied); the TRL-named metrics cover every rank's pairs."""
+"""DPO under torchrun: two CPU ranks (gloo) train as one process does, with DDP and DeepSpeed ZeRO-2 (a frozen copy
+as reference) and FSDP2 and ZeRO-3 (auto precomputes: a sharded model is not copied); the TRL-named metrics cover
+every rank's pairs."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -38,16 +40,53 @@ def _run(cfg):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    work = tmp_path_factory.mktemp("dpo-dist-work")  # one preset build shared by the runs
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("dpo-dist-work")  # one preset build shared by the runs
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, work):
     return work, _run(_cfg(tmp_path_factory.mktemp("single"), work))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+LORA = {"lora.enabled": True, "lora.r": 4, "dpo.reference": "adapter_off", "train.lr": 1e-2}
+
+
+NO_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                  reason="DeepSpeed is an optional extra: pip install 'memfit[deepspeed]'")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", pytest.param("deepspeed_zero2", marks=NO_DEEPSPEED),
+                                      pytest.param("deepspeed_zero3", marks=NO_DEEPSPEED)])
 def test_dpo_on_two_ranks_trains_as_one_process(tmp_path, single, strategy):
     work, want = single
     cfg = _cfg(tmp_path, work, **{"distributed.nproc_per_node": 2, "distributed.strategy": strategy})
-    got = _run(cfg)
+    _assert_same_run(_run(cfg), want)
+    kept = list((tmp_path / "checkpoints" / "reference").glob("ref-logps-*.safetensors"))
+    # Sharded (FSDP2, ZeRO-3): the reference was precomputed and kept in the store; whole weights: a copy, nothing kept.
+    assert bool(kept) == (strategy in ("fsdp2", "deepspeed_zero3")), kept
+    if kept:  # the same weights and pairs: the same key, ZeRO-3's partitions read whole (not their empty placeholders)
+        KEPT[strategy] = kept[0].name
+        assert len(set(KEPT.values())) == 1, KEPT
+
+
+KEPT: dict[str, str] = {}  # the precomputed reference's object name per sharded strategy
+
+
+
+
+@NO_DEEPSPEED
+def test_lora_dpo_with_the_adapters_off_as_reference_under_zero3_trains_as_one_process(tmp_path_factory, work):
+    """ZeRO-3 partitions the base and the adapters alike; disabling the adapters for the reference's forward (through
+    the engine, which gathers each block's parameters) gives the base's log-probs as in one process."""
+    want = _run(_cfg(tmp_path_factory.mktemp("single-lora"), work, **LORA))
+    got = _run(_cfg(tmp_path_factory.mktemp("zero3-lora"), work, **LORA, **{
+        "distributed.nproc_per_node": 2, "distributed.strategy": "deepspeed_zero3"}))
+    _assert_same_run(got, want)
+    assert max(want["rewards/margins"].values()) > 0  # the adapters moved the policy away from its reference
+
+
+def _assert_same_run(got: dict, want: dict) -> None:
     for name in ("loss", "rewards/margins", "logps/chosen"):
         diffs = {s: abs(got[name][s] - want[name][s]) for s in want[name]}
         assert sorted(got[name]) == sorted(want[name]) and max(diffs.values()) < LOSS_TOL * max(
@@ -55,14 +94,3 @@ def test_dpo_on_two_ranks_trains_as_one_process(tmp_path, single, strategy):
     # A share of pairs, not one rank's half: the same fraction as one process over the whole batch.
     assert got["rewards/accuracies"] == pytest.approx(want["rewards/accuracies"], abs=1e-6)
     assert got["val_dpo_loss"] == pytest.approx(want["val_dpo_loss"], abs=1e-4)
-    if strategy == "fsdp2":  # the reference was precomputed: the run kept it in the store
-        assert list((tmp_path / "checkpoints" / "reference").glob("ref-logps-*.safetensors"))
-
-
-def test_dpo_under_deepspeed_is_refused_in_one_line(tmp_path):
-    from memfit.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="train.objective: dpo runs under ddp and fsdp2, not deepspeed_zero2 yet"):
-        _cfg(tmp_path, tmp_path, **{"distributed.nproc_per_node": 2, "distributed.strategy": "deepspeed_zero2"})
-
-

@@ -24,6 +24,23 @@ def test_auto_below_one_pass_or_unknown_keeps_a_reference_in_step():
     assert reference_mode("auto", "sigmoid", lora=True, coverage=part) == "adapter_off"
     assert reference_mode("auto", "sigmoid", lora=False, coverage=part) == "copy"
     assert reference_mode("auto", "sigmoid", lora=False, coverage=None) == "copy"  # a plan before the data is read
+    # FSDP2 / ZeRO-3: each rank holds a slice of the weights, so no copy: the pass before step 1 instead.
+    assert reference_mode("auto", "sigmoid", lora=False, coverage=part, sharded=True) == "precompute"
+    assert reference_mode("auto", "sigmoid", lora=True, coverage=part, sharded=True) == "adapter_off"
+
+
+def test_copy_of_a_sharded_model_is_refused_in_one_line_naming_the_field():
+    from memfit import config
+
+    for strategy in ("fsdp2", "deepspeed_zero3"):
+        with pytest.raises(ConfigError, match=rf"\(root\): dpo\.reference: copy is not supported with "
+                                              rf"distributed\.strategy {strategy} .* use precompute"):
+            config.load(None, [f"distributed.strategy={strategy}", "distributed.nproc_per_node=2",
+                               "train.objective=dpo", "data.format=preference", "dpo.reference=copy"])
+    # ZeRO-2 keeps whole parameters on every rank: a copy is allowed there.
+    cfg = config.load(None, ["distributed.strategy=deepspeed_zero2", "distributed.nproc_per_node=2",
+                             "train.objective=dpo", "data.format=preference", "dpo.reference=copy"])
+    assert cfg.dpo.reference == "copy"
 
 
 def test_an_explicit_setting_and_the_reference_free_loss_are_kept():
@@ -46,3 +63,19 @@ def test_a_dpo_plan_counts_the_logits_it_forms_and_refuses_a_next_token_loss():
         with pytest.raises(ConfigError, match=f"memory.loss: {loss} is a next-token loss, and train.objective dpo"):
             config.load(None, [*dpo, f"memory.loss={loss}"])
     config.load(None, [*dpo, "memory.loss=plain"])
+
+
+def test_the_plan_counts_no_copy_where_the_run_would_shard_the_model():
+    """The estimate resolves auto as the run does: a copy on whole replicas (ddp, ZeRO-2), precompute on FSDP2 and
+    ZeRO-3, whose ranks each hold a slice (objective.make_reference refuses to copy those)."""
+    from memfit import config
+    from memfit.config.devices import get_profile
+    from memfit.memory.planner.candidates import configured_stack
+    from memfit.memory.planner.search import make_estimator
+
+    for strategy, want in (("ddp", "copy"), ("deepspeed_zero2", "copy"), ("fsdp2", "precompute"),
+                           ("deepspeed_zero3", "precompute")):
+        cfg = config.load(None, ["train.objective=dpo", "data.format=preference", "lora.enabled=false",
+                                 f"distributed.strategy={strategy}", "distributed.nproc_per_node=2"])
+        est = make_estimator(cfg, get_profile("cpu"))
+        assert est._reference(configured_stack(cfg)) == want, strategy

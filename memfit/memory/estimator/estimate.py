@@ -46,7 +46,7 @@ class Estimator:
                  max_grad_norm: float | None = 1.0, anchor_micro_batch: int | None = None,
                  loss_chunk_tokens: int = 1024, dpo: Any | None = None, attention_mask: bool = False,
                  flattened: bool = False, dpo_logits_keep: int | None = None,
-                 dpo_coverage: float | None = None) -> None:
+                 dpo_coverage: float | None = None, dpo_sharded: bool = False) -> None:
         self.hf_config = hf_config
         # The run's batches carry an explicit [rows, 1, seq, seq] mask (padding per batch, padding-free packs on a
         # kernel without varlen): traced with one, for SDPA's copy of it in each layer (see MaskedLoss).
@@ -60,6 +60,7 @@ class Estimator:
         # worst batch of the data (its longest pair beside its shortest prompt); None: every position.
         self.dpo_logits_keep = dpo_logits_keep
         self.dpo_coverage = dpo_coverage  # passes over the training pairs, where read: dpo.reference auto's rule
+        self.dpo_sharded = dpo_sharded  # parameters split over the ranks (FSDP2, ZeRO-3): auto does not copy them
         self.n_blocks = n_blocks_of(hf_config)
         self.seq_len = seq_len
         self.profile = profile
@@ -285,7 +286,7 @@ class Estimator:
         from memfit.memory.estimator.preference import reference_mode
 
         assert self.dpo is not None
-        return reference_mode(self.dpo.reference, self.dpo.loss_type, stack.lora, self.dpo_coverage)
+        return reference_mode(self.dpo.reference, self.dpo.loss_type, stack.lora, self.dpo_coverage, self.dpo_sharded)
 
 
 class MaskedLoss:

@@ -8,18 +8,20 @@ from typing import Any
 ROWS_PER_PAIR = 2  # chosen and rejected through the policy in one forward
 
 
-def reference_mode(setting: str, loss_type: str, lora: bool, coverage: float | None = None) -> str:
+def reference_mode(setting: str, loss_type: str, lora: bool, coverage: float | None = None,
+                   sharded: bool = False) -> str:
     """Pure: dpo.reference as a run resolves it (objective.make_reference's rule): none for the reference-free
     simpo. auto is precompute when the run goes over its training pairs at least once (`coverage`, see below): a
     per-step reference would compute each pair's log-probs again every pass, precompute does it once and holds no
     reference while training. Below one pass (or unknown, as in a plan before the data is read) auto is
-    adapter_off with LoRA adapters (no extra weights), else a frozen copy."""
+    adapter_off with LoRA adapters (no extra weights), else a frozen copy; but a model whose parameters are split
+    over the ranks (`sharded`: FSDP2, ZeRO-3) is not copied, so there it is precompute."""
     if loss_type == "simpo":
         return "none"
     if setting == "auto":
         if coverage is not None and coverage >= 1.0:
             return "precompute"
-        return "adapter_off" if lora else "copy"
+        return "adapter_off" if lora else "precompute" if sharded else "copy"
     return setting
 
 

@@ -97,6 +97,9 @@ def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = Non
                      weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
                      anchor_micro_batch=cfg.train.micro_batch_size, loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
                      dpo=cfg.dpo if cfg.train.objective == "dpo" else None, dpo_logits_keep=keep, dpo_coverage=covered,
+                     # strategy auto may shard too (a replica that does not fit): counted as a copy, an upper bound
+                     dpo_sharded=cfg.distributed.world_size > 1 and cfg.distributed.strategy in ("fsdp2",
+                                                                                                  "deepspeed_zero3"),
                      attention_mask=masked,
                      flattened=masked and cfg.data.packing == "padding_free" and cfg.data.flatten is True)
 
