@@ -56,14 +56,16 @@ def model_costs(hf_config: Any) -> tuple[float, float]:
 
 def predict(lengths: list[int], trained: list[int], seq_len: int, micro_batch: int, hf_config: Any,
             profile: DeviceProfile, attn_implementation: str, allow_blocks: bool, flatten: bool,
-            group_by_length: bool = True, seed: int = 0, dtype: str = "float32") -> list[LayoutCost]:
+            group_by_length: bool = True, seed: int = 0, dtype: str = "float32", padding_mask: bool = False
+            ) -> list[LayoutCost]:
     """Pure: each candidate layout's epoch cost, cheapest per trained token first.
 
     compute time = (slots x matmul FLOPs per token + attention pairs x FLOPs per pair) / the device's matmul
     FLOP/s + materialised-mask bytes x MASK_PASSES / memory bandwidth. A causal kernel without a mask computes
     half the square; with a materialised mask (padding, packed examples on SDPA/eager) all of it; varlen flash
     attention only each example's own triangle. `flatten`: padding-free micro-batches run as one joined row
-    (data.flatten as the loop resolves it)."""
+    (data.flatten as the loop resolves it). One padded example a row runs causal without its mask (right padding),
+    unless `padding_mask` (an MoE's load-balancing loss reads it: models/experts.keeps_padding_mask)."""
     per_token, per_pair = model_costs(hf_config)
     flops, bandwidth = profile.flops_per_s(dtype), profile.bandwidth
     flash = attn_implementation.startswith("flash")
@@ -84,9 +86,9 @@ def predict(lengths: list[int], trained: list[int], seq_len: int, micro_batch: i
         batch = [lengths[j] for j in order[i:i + micro_batch]]
         longest = max(batch)
         slots += len(batch) * longest
-        padded = any(n < longest for n in batch)
-        pairs += len(batch) * longest * longest * (1.0 if padded and not flash else 0.5)
-        mask += len(batch) * longest * longest * mask_item if padded and not flash else 0.0
+        masked = padding_mask and not flash and any(n < longest for n in batch)
+        pairs += len(batch) * longest * longest * (1.0 if masked else 0.5)
+        mask += len(batch) * longest * longest * mask_item if masked else 0.0
     cost("none", slots, pairs, mask)
     # padding_free: whole examples packed into rows of seq_len; flattened: a micro-batch's rows as one row.
     rows = [sum(lengths[i] for i in members) for members in _bins(lengths, seq_len)]
@@ -131,13 +133,15 @@ def example_lengths(encoded: list[Any], origins: list[tuple[str, int]], data: An
 def choose_packing(cfg: Any, lengths: list[int], trained: list[int], fmt: str, hf_config: Any,
                    profile: DeviceProfile, attn_implementation: str) -> tuple[str, list[LayoutCost]]:
     """resolve_packing from the examples' lengths and trained tokens (however they were read)."""
+    from memfit.models.experts import keeps_padding_mask
+
     data = cfg.data
     dtype = {"bf16-mixed": "bfloat16", "bf16-true": "bfloat16", "fp16-mixed": "float16"}.get(
         cfg.train.precision, "float32")
     costs = predict(lengths, trained, data.seq_len, cfg.train.micro_batch_size, hf_config, profile,
                     attn_implementation, allow_blocks=fmt == "text" and data.train_on == "all",
                     flatten=flattened(data, True, attn_implementation), group_by_length=data.group_by_length,
-                    seed=cfg.train.seed, dtype=dtype)
+                    seed=cfg.train.seed, dtype=dtype, padding_mask=keeps_padding_mask(hf_config))
     log.info("data.packing auto: %s on %s (%s)", costs[0].packing, profile.name, ", ".join(
         f"{c.packing} {c.s_per_trained_token * 1e6:.2f} us/trained token" for c in costs))
     return costs[0].packing, costs

@@ -53,6 +53,14 @@ def is_moe(model: Any) -> bool:
     return bool(can_set and can_set() and getattr(model.config, "_experts_implementation", None))
 
 
+def keeps_padding_mask(config: Any) -> bool:
+    """Pure: whether a padded row keeps its mask for this model (techniques/loss.blocks_batch drops it elsewhere: the
+    padding is on the right, where no real token attends). An MoE's load-balancing loss counts only the real tokens
+    by it (transformers' load_balancing_loss_func), and apply() turns the router logits on for training wherever
+    the config has the switch."""
+    return hasattr(config, "output_router_logits")
+
+
 def apply(model: Any, purpose: Purpose, device_type: str = "cpu", dtype: torch.dtype | None = None) -> str | None:
     """Set the implementation POLICY picks on an MoE model (no-op on dense ones); the name set, or None."""
     if not is_moe(model):

@@ -33,7 +33,7 @@ from memfit.runtime.env import keep_heap
 from memfit.tracking.base import Tracker
 from memfit.training.compile import CompileClock
 from memfit.training.objective import make_objective
-from memfit.training.readout import StepLog, attention_implementation, evaluate_loss
+from memfit.training.readout import StepLog, attention_implementation, evaluate_loss, reads_padding
 from memfit.training.strategies import Agreement, SingleProcess
 
 log = logging.getLogger("memfit.train")
@@ -96,6 +96,7 @@ class Trainer:
         self._row_real = row_real_tokens(data.train, data.train_fields, data.stats.get("pad_id"))
         self._row_trained, self._row_real = with_rejected_side(data.train_fields, self._row_trained, self._row_real)
         self._cut_to_longest = "attention_mask" in data.train_fields  # blocks_batch cuts such batches
+        self.padding_mask = reads_padding(model)  # blocks_batch drops a padded row's mask unless the loss reads it
         # One padded example a row: micro-batches of similar lengths, so cutting to the longest leaves little padding.
         grouped = self._cut_to_longest and cfg.data.group_by_length
         self.order = BatchOrder(len(data.train), plan.micro_batch_size, t.seed, self._row_real if grouped else None)
@@ -193,7 +194,7 @@ class Trainer:
                           len(idx) * (max(lengths) if self._cut_to_longest else self.data.train.shape[1]))
             self.trained_tokens_seen += row_trained
             yield blocks_batch(train, idx, self.device, self.data.train_fields, self.attn_implementation,
-                               lengths if self.flatten else None)
+                               lengths if self.flatten else None, self.padding_mask)
 
     def save(self, blocking: bool, force: bool = False, deadline: float | None = None, busy: bool | None = None
              ) -> None:

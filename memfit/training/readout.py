@@ -52,6 +52,14 @@ class StepLog:
             self.tracker.log_metrics(step_metrics(self.last_loss, grad_norm=norm, **metrics), step=step)
 
 
+def reads_padding(model: nn.Module) -> bool:
+    """Whether padded rows keep their mask for this model (models/experts.keeps_padding_mask: an MoE's
+    load-balancing loss counts the real tokens by it); any other causal LM gets the same logits without it."""
+    from memfit.models.experts import keeps_padding_mask
+
+    return keeps_padding_mask(getattr(getattr(model, "module", model), "config", None))
+
+
 def attention_implementation(model: nn.Module) -> str:
     """The attention kernel family the model runs (sdpa, eager, flash_attention_2, ...): packed batches follow it."""
     config = getattr(getattr(model, "module", model), "config", None)  # DDP wraps the model in .module
@@ -70,7 +78,8 @@ def evaluate_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int, devic
     total, count = 0.0, 0
     for i in range(0, min(len(blocks), batch_size * max_batches), batch_size):
         batch: Batch = blocks_batch(blocks, slice(i, i + batch_size), device, fields,
-                                    attn_implementation or attention_implementation(model))
+                                    attn_implementation or attention_implementation(model),
+                                    padding_mask=reads_padding(model))
         with autocast_context(device, precision):
             loss = loss_fn(model, batch)
         n = trained_tokens(batch)  # the loss is a mean over these: weight each batch by them

@@ -39,6 +39,18 @@ def test_packing_bench_trains_each_packing_mode(tmp_path: Path) -> None:
     assert rows[1:] == ["blocks", "padding_free", "none"], out
 
 
+def test_padding_mask_bench_measures_both_ways_and_finds_the_same_numbers(tmp_path: Path) -> None:
+    """SFT and DPO steps on padded rows with their mask and without (docs/preference.md): the same loss and log-probs,
+    the peak without the mask no higher."""
+    import json
+
+    out = _bench("padding_mask.py", "--small", "--threads", "1", "--out", str(tmp_path), cwd=tmp_path)
+    rows = json.loads((tmp_path / "padding_mask.json").read_text())["rows"]
+    assert [r["objective"] for r in rows] == ["sft", "dpo"], out
+    for r in rows:
+        assert r["max_abs_diff"] == 0.0 and r["causal_peak"] <= r["masked_peak"], r
+
+
 def test_dpo_estimate_bench_writes_its_rows(tmp_path: Path) -> None:
     """Each reference mode's planned and real peak of one DPO step, a row each, and its JSON (docs/preference.md)."""
     out = _bench("dpo_estimate.py", "--small", "--threads", "1", "--out", str(tmp_path), cwd=tmp_path)

@@ -85,7 +85,11 @@ def test_which_runs_carry_an_explicit_mask():
         return SimpleNamespace(data=SimpleNamespace(packing=packing), train=SimpleNamespace(objective=objective))
 
     assert not explicit_mask(cfg("blocks"), sdpa)  # causal blocks: is_causal, no mask
-    assert explicit_mask(cfg("padding_free"), sdpa) and explicit_mask(cfg("none"), sdpa)
+    assert explicit_mask(cfg("padding_free"), sdpa)  # packed examples kept apart
     assert explicit_mask(cfg("auto"), sdpa)  # resolved only from the data: counted as masked
-    assert explicit_mask(cfg("blocks", "dpo"), sdpa)  # pairs padded per batch
+    # One padded example or pair a row: the padding is on the right, the batch runs causal without its mask...
+    assert not explicit_mask(cfg("none"), sdpa) and not explicit_mask(cfg("blocks", "dpo"), sdpa)
+    # ...but for an MoE, whose load-balancing loss counts the real tokens by it.
+    moe = SimpleNamespace(_attn_implementation="sdpa", output_router_logits=False)
+    assert explicit_mask(cfg("none"), moe) and explicit_mask(cfg("blocks", "dpo"), moe)
     assert not explicit_mask(cfg("padding_free"), flash)  # varlen flash attention reads position_ids

@@ -218,10 +218,12 @@ def test_padded_rows_are_cut_to_the_batch_longest_and_masked():
     encoded = [([5, 6, 7], [5, 6, 7]), ([8, 9], [IGNORE, 9])]
     rows, _ = pack_padded(encoded, seq_len=10, pad_id=0)
     fields = {k: rows[k] for k in ("labels", "attention_mask")}
-    batch = blocks_batch(rows["input_ids"], slice(0, 2), None, fields)
+    batch = blocks_batch(rows["input_ids"], slice(0, 2), None, fields, padding_mask=True)
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
     assert batch["labels"].tolist() == [[5, 6, 7], [IGNORE, 9, IGNORE]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    # Where the loss does not read it (every dense model) the mask stays behind: the padding is on the right.
+    assert set(blocks_batch(rows["input_ids"], slice(0, 2), None, fields)) == {"input_ids", "labels"}
 
 
 @pytest.mark.parametrize("policy", ["truncate", "drop", "error"])

@@ -81,6 +81,13 @@ def test_dpo_loss_and_gradients_equal_trl(setup, loss_type, beta):
     for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                  "logps/rejected"):
         assert ours[name] == pytest.approx(theirs[name], abs=1e-5), name
+    # As memfit's batches reach the model (blocks_batch): TRL's rows are padded on the right, so without the masks.
+    assert all(bool(row[:int(row.sum())].all()) for row in inputs["attention_mask"])  # right padding only
+    unmasked = copy.deepcopy(policy).train()
+    loss = objective(unmasked, {k: v for k, v in batch.items() if not k.endswith("attention_mask")})
+    loss.backward()
+    assert abs(loss.item() - trl_loss.item()) <= 1e-5, (loss.item(), trl_loss.item())
+    torch.testing.assert_close(_grads(unmasked), trl_grads, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])

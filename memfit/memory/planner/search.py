@@ -76,12 +76,17 @@ def resolve_budget(memory_cfg: Any, profile: DeviceProfile, device_report: dict[
 
 
 def explicit_mask(cfg: Any, hf_config: Any) -> bool:
-    """Pure: do the run's batches carry an explicit [rows, 1, seq, seq] mask? Yes for one padded example (or pair) a
-    row and for padding-free packs, unless the model runs flash attention (varlen: no mask); blocks need none.
-    packing auto is resolved from the data only when the run prepares it: counted as masked (an upper bound)."""
+    """Pure: do the run's batches carry an explicit [rows, 1, seq, seq] mask? Yes for padding-free packs, unless the
+    model runs flash attention (varlen: no mask); blocks need none; one padded example (or pair) a row runs without
+    its mask (right padding: blocks_batch drops it) except on an MoE, whose load-balancing loss reads it. packing
+    auto is resolved from the data only when the run prepares it: counted as masked (an upper bound)."""
     if str(getattr(hf_config, "_attn_implementation", None) or "sdpa").startswith("flash"):
         return False
-    return cfg.train.objective == "dpo" or cfg.data.packing != "blocks"
+    if cfg.train.objective == "dpo" or cfg.data.packing == "none":
+        from memfit.models.experts import keeps_padding_mask
+
+        return keeps_padding_mask(hf_config)
+    return cfg.data.packing != "blocks"
 
 
 def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = None) -> Estimator:

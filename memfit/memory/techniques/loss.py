@@ -21,18 +21,26 @@ Batch = dict[str, torch.Tensor]
 
 def blocks_batch(blocks: torch.Tensor, idx: torch.Tensor | slice, device: torch.device | None = None,
                  fields: dict[str, torch.Tensor] | None = None, attn_implementation: str = "sdpa",
-                 lengths: list[int] | None = None) -> Batch:
+                 lengths: list[int] | None = None, padding_mask: bool = False) -> Batch:
     """The batch of rows `idx`: input_ids, and labels (the inputs themselves for plain text blocks, else the data's
     with -100 on untrained tokens); the packing mode's position_ids / attention_mask come along from `fields`.
     `lengths` (padding-free packs, data.flatten): each row's real tokens; the rows are joined into one sequence
-    without their tail padding (a new example still starts at position 0, and its first label is -100)."""
+    without their tail padding (a new example still starts at position 0, and its first label is -100).
+
+    One padded example (or pair) a row is cut to the batch's longest row, and its 2-D padding mask is dropped: the
+    padding is on the right, so under the causal mask no real token ever attends to it, and the logits of the real
+    tokens are the same without it (bitwise on CPU; the gradients to fp32 rounding: tests/unit/test_padding_mask.py).
+    Without it attention runs causal (SDPA's flash kernel on CUDA), with no [rows, 1, seq, seq] mask, its per-layer
+    copies, or transformers' reads of it to the host. `padding_mask`: keep it, for a model whose loss counts the
+    real tokens by it (an MoE's load-balancing loss: models/experts.keeps_padding_mask)."""
     fields = fields or {}
     rows = {"input_ids": blocks[idx], **{k: v[idx] for k, v in fields.items()}}
     if lengths is not None and "position_ids" in rows:
         rows = {k: torch.cat([v[r, :n] for r, n in enumerate(lengths)])[None] for k, v in rows.items()}
     if "attention_mask" in rows:  # one padded example (or pair) a row: cut the batch to its longest (on the host)
         longest = max(int(v.sum(-1).max()) for k, v in rows.items() if k.endswith("attention_mask"))
-        rows = {k: v[:, :longest] if v.dim() == 2 else v for k, v in rows.items()}
+        rows = {k: v[:, :longest] if v.dim() == 2 else v for k, v in rows.items()
+                if padding_mask or not k.endswith("attention_mask")}
     if device is not None:
         rows = {k: v.to(device, non_blocking=True) for k, v in rows.items()}
     rows.setdefault("labels", rows["input_ids"])
