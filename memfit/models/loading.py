@@ -144,6 +144,9 @@ def _quiet_save(model: Any, folder: Path) -> None:
     # A "Writing model shards" bar for a few-hundred-KB preset is noise in the run log.
     from transformers.utils import logging as hf_logging
 
+    from memfit.runtime.importing import skip_deepspeed_probe
+
+    skip_deepspeed_probe()
     was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -14,6 +14,7 @@ import torch
 import memfit
 from memfit.errors import ExportError
 from memfit.files import commit_folder, file_record, sha256_file, staged_folder
+from memfit.runtime.importing import skip_deepspeed_probe
 
 ADAPTER_DIR = "adapter"
 MANIFEST_NAME = "memfit-adapter.json"  # written last: a folder without it is not a finished export
@@ -61,6 +62,7 @@ def write_adapter(adapted: Any, tokenizer: Any, final: Path, base: str, quantiza
     final.parent.mkdir(parents=True, exist_ok=True)
     with staged_folder(final) as staged:
         try:
+            skip_deepspeed_probe()
             adapted.save_pretrained(str(staged), safe_serialization=True)
             tokenizer.save_pretrained(str(staged))
         except OSError as err:

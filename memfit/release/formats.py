@@ -22,6 +22,7 @@ from memfit.files import commit_folder, file_record, fsync_tree, probe_writable,
 from memfit.models import experts
 from memfit.release import onnx_cache
 from memfit.release.parity import ParityCriteria, ShapeParity, parity_failure, shape_parity
+from memfit.runtime.importing import skip_deepspeed_probe
 
 MANIFEST_NAME = "memfit-export.json"
 # Beside an ONNX file: <name>.memfit.json (memfit version, source run, parity per shape, checksums).
@@ -165,6 +166,7 @@ def export_safetensors(
     with _staging(out_dir, "SafeTensors export") as tmp:
         # transformers 5 always writes safetensors: `safe_serialization` is gone from save_pretrained
         # (it would land silently in **kwargs), so we check for the files instead of asking for them.
+        skip_deepspeed_probe()
         model.save_pretrained(tmp)
         if not any(tmp.glob("*.safetensors")) or any(tmp.glob("*.bin")):
             raise ExportError(f"save_pretrained did not write SafeTensors weights for {out_dir}.")

@@ -36,3 +36,26 @@ def collector_paused(freeze: bool = False) -> Iterator[None]:
         if freeze:
             gc.freeze()
         gc.enable()
+
+
+def skip_deepspeed_probe() -> None:
+    """Let transformers' save_pretrained leave DeepSpeed unimported where no DeepSpeed engine can exist.
+
+    It unwraps the model through accelerate's extract_model_from_parallel, which imports deepspeed whenever the
+    package is installed, to ask whether the model is a DeepSpeedEngine: 1.6 s on the reference machine, and MLflow
+    too (deepspeed's autotuner imports it), in every process that saves a model, memfit's own included, though
+    memfit keeps MLflow in its tracking process. A model can only be an engine once deepspeed has been imported,
+    so that is what the check asks (once per process; call it before saving a model)."""
+    import sys
+
+    from accelerate.utils import other
+
+    check = other.is_deepspeed_available
+    if getattr(check, "memfit_skip", False):
+        return
+
+    def imported() -> bool:
+        return "deepspeed" in sys.modules and check()
+
+    imported.memfit_skip = True  # type: ignore[attr-defined]
+    other.is_deepspeed_available = imported

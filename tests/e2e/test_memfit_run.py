@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 LOADED_AT_EXIT = """
 import atexit, json, sys
 out = sys.argv[1]
-atexit.register(lambda: open(out, "w").write(json.dumps(sorted(m for m in ("mlflow", "matplotlib")
+atexit.register(lambda: open(out, "w").write(json.dumps(sorted(m for m in ("mlflow", "matplotlib", "deepspeed")
                                                             if m in sys.modules))))
 sys.argv = ["memfit", *sys.argv[2:]]
 from memfit.cli import main
@@ -34,7 +34,8 @@ def test_memfit_run_tiny_json(tmp_path, prefect_home_template):
     env.pop("MLFLOW_TRACKING_URI", None)
     # Run from a fresh folder with the shipped config: defaults put MLflow and outputs under the cwd.
     (tmp_path / "configs").symlink_to(REPO / "configs")
-    # As the console script runs it, noting at exit which of MLflow and matplotlib memfit's own process loaded.
+    # As the console script runs it, noting at exit which of MLflow and matplotlib memfit's own process loaded, and
+    # DeepSpeed, installed for the ZeRO tests: saving a model must not import it (runtime/importing.py).
     proc = subprocess.run([sys.executable, "-c", LOADED_AT_EXIT, str(tmp_path / "loaded.json"), "run",
                            "configs/tiny.yaml", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
