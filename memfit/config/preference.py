@@ -34,4 +34,6 @@ class DpoConfig(Section):
         "the starting model in memory (its weights again, an extra forward a step); precompute: one pass over "
         "the training and validation pairs before the first step stores them beside the data (no reference "
         "model while training). auto: precompute when max_steps x pairs a step cover the training pairs at least "
-        "once (each pair's reference computed once instead of every pass), else adapter_off with LoRA, else copy.")
+        "once (each pair's reference computed once instead of every pass), else adapter_off with LoRA, else copy "
+        "(precompute where the ranks each hold a slice of the weights: fsdp2, deepspeed_zero3, where copy is an "
+        "error).")
