@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from memfit.config import LoraConfig  # noqa: E402
 from memfit.config.devices import PROFILES  # noqa: E402
+from memfit.files import write_json_atomic  # noqa: E402
 from memfit.memory.estimator.compose import Stack  # noqa: E402
 from memfit.memory.estimator.estimate import Estimator  # noqa: E402
 from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, run_step  # noqa: E402
@@ -124,9 +124,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "device": "cpu", "precision": "fp32"}
     target = args.out / "dpo_estimate.json"
-    tmp = target.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
-    tmp.replace(target)
+    write_json_atomic(target, {**meta, "rows": rows}, indent=1)
     print(f"wrote {target}")
 
 

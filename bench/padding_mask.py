@@ -14,7 +14,6 @@ the time the median of rounds of steps, the modes interleaved by round. The summ
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from memfit.data.packing import pack_padded  # noqa: E402
+from memfit.files import write_json_atomic  # noqa: E402
 from memfit.memory.estimator.step import init_optimizer_state, make_optimizer, train_step  # noqa: E402
 from memfit.memory.estimator.tracker import StepTracker  # noqa: E402
 from memfit.memory.techniques.loss import PlainLoss, blocks_batch  # noqa: E402
@@ -131,9 +131,7 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "device": "cpu", "precision": "fp32",
             "threads": torch.get_num_threads()}
     target = args.out / "padding_mask.json"
-    tmp = target.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({**meta, "rows": results}, indent=1) + "\n")
-    tmp.replace(target)
+    write_json_atomic(target, {**meta, "rows": results}, indent=1)
     print(f"wrote {target}")
 
 
