@@ -290,7 +290,8 @@ def make_objective(cfg: Any | None = None, model: nn.Module | None = None, data:
     reference = make_reference(d.reference, d.loss_type, model, covered) if model is not None else Reference()
     if d.reference == "auto" and model is not None and d.loss_type != "simpo":
         log.info("dpo.reference auto: %s (max_steps x pairs a step cover the %s training pairs %s times; "
-                 "precompute from one full pass up)", reference.name, len(data.train) if data is not None else "?",
+                 "precompute from one full pass up, or on a sharded model)", reference.name,
+                 len(data.train) if data is not None else "?",
                  f"{covered:.2f}" if covered is not None else "an unknown number of")
     if reference.name == "precompute" and model is not None and data is not None:
         precompute_reference(model, data, plan.micro_batch_size if plan is not None else t.micro_batch_size,
