@@ -229,7 +229,8 @@ class MemfitConfig(_Section):
         if self.dpo.reference == "adapter_off" and self.lora.enabled is False:
             raise ValueError("dpo.reference: adapter_off disables the LoRA adapters for the reference, and "
                              "lora.enabled is false; enable LoRA or use dpo.reference copy or precompute")
-        sharded = self.distributed.strategy in ("fsdp2", "deepspeed_zero3")  # parameters split over the ranks
+        # Parameters split over the ranks (planner/sharding.splits_parameters; config sits below the planner).
+        sharded = self.distributed.strategy in ("fsdp2", "deepspeed_zero3")
         if self.distributed.world_size > 1 and self.dpo.reference == "copy" and sharded:
             raise ValueError(f"dpo.reference: copy is not supported with distributed.strategy "
                              f"{self.distributed.strategy} (a frozen copy of a sharded model); use precompute (or "

@@ -7,7 +7,13 @@ from typing import Any
 
 from memfit.config import MemfitConfig
 from memfit.errors import ConfigError
-from memfit.memory.planner.sharding import choose_strategy, human, per_rank_bytes, training_state_bytes
+from memfit.memory.planner.sharding import (
+    choose_strategy,
+    human,
+    per_rank_bytes,
+    splits_parameters,
+    training_state_bytes,
+)
 from memfit.reports import PlanReport, ProbeReport
 
 log = logging.getLogger("memfit.distributed")
@@ -49,7 +55,7 @@ def plan_distributed(cfg: MemfitConfig, probe: ProbeReport, plan: PlanReport) ->
         from memfit.distributed.ds_config import import_deepspeed
 
         import_deepspeed()  # missing DeepSpeed fails here, in phase 2, not after the ranks started
-    if strategy in ("fsdp2", "deepspeed_zero3") and plan.policy == "offload":
+    if splits_parameters(strategy) and plan.policy == "offload":
         raise ConfigError(f"memory.policy=offload with distributed.strategy={strategy}: use full or selective "
                           "(sharding already frees the memory offload would)")
     log.info("distributed: %s on %d ranks: %s", strategy, world, why)

@@ -134,13 +134,9 @@ def wrap_fsdp2(model: nn.Module, info: RankInfo, precision: str) -> nn.Module:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module to evaluate: DDP's inner module (no gradient hooks); FSDP2 modules stay as they are."""
+    """The module a wrapper trains: DDP's inner module (no gradient hooks), the one a DeepSpeed engine holds (the
+    engine's optimizer and buffers are never copied); FSDP2 and peft modules stay as they are."""
     return getattr(model, "module", model)
-
-
-def unwrapped_engine(model: nn.Module) -> nn.Module:
-    """The module a DeepSpeed engine trains (the engine itself holds its optimizer and buffers: never copied)."""
-    return model.module if type(model).__name__ == "DeepSpeedEngine" else model
 
 
 def sharded_parameters(model: nn.Module) -> bool:

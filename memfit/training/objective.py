@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.data.pairs import REJECTED
-from memfit.distributed.strategies import sharded_parameters, unwrapped_engine
+from memfit.distributed.strategies import sharded_parameters, unwrap
 from memfit.errors import ConfigError
 from memfit.memory.techniques.logps import first_predicting, keeps_logits, sequence_logps
 from memfit.memory.techniques.loss import Batch, LossPolicy, blocks_batch, make_loss
@@ -79,7 +79,7 @@ class FrozenCopy(Reference):
     name = "copy"
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = copy.deepcopy(unwrapped_engine(model)).eval().requires_grad_(False)
+        self.model = copy.deepcopy(unwrap(model)).eval().requires_grad_(False)
 
     @torch.no_grad()
     def logps(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

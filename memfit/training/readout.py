@@ -52,18 +52,21 @@ class StepLog:
             self.tracker.log_metrics(step_metrics(self.last_loss, grad_norm=norm, **metrics), step=step)
 
 
+def _config(model: nn.Module) -> Any:
+    return getattr(getattr(model, "module", model), "config", None)  # DDP and DeepSpeed wrap the model in .module
+
+
 def reads_padding(model: nn.Module) -> bool:
     """Whether padded rows keep their mask for this model (models/experts.keeps_padding_mask: an MoE's
     load-balancing loss counts the real tokens by it); any other causal LM gets the same logits without it."""
     from memfit.models.experts import keeps_padding_mask
 
-    return keeps_padding_mask(getattr(getattr(model, "module", model), "config", None))
+    return keeps_padding_mask(_config(model))
 
 
 def attention_implementation(model: nn.Module) -> str:
     """The attention kernel family the model runs (sdpa, eager, flash_attention_2, ...): packed batches follow it."""
-    config = getattr(getattr(model, "module", model), "config", None)  # DDP wraps the model in .module
-    return str(getattr(config, "_attn_implementation", None) or "sdpa")
+    return str(getattr(_config(model), "_attn_implementation", None) or "sdpa")
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.distributed.strategies import unwrapped_engine
+from memfit.distributed.strategies import unwrap
 
 log = logging.getLogger("memfit.train")
 PREFIX = "reference"  # beside the step-NNNNNNNN/ folders; the checkpoint index lists and prunes only those
@@ -21,7 +21,7 @@ def weights_fingerprint(model: nn.Module, samples: int = 4096) -> str:
     sum (in its own dtype) and `samples` evenly spaced values (one host read for all). Enough to tell another
     starting point (a new base, other adapters, a quantized copy) from the same one."""
     names, parts = [], []
-    for name, whole in _whole_tensors(unwrapped_engine(model)):  # the module's names under any wrapper
+    for name, whole in _whole_tensors(unwrap(model)):  # the module's names under any wrapper
         flat = whole.detach().reshape(-1)
         if not flat.numel():
             continue

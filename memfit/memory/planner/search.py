@@ -37,8 +37,9 @@ from memfit.memory.planner.plan import (
     measured_reason,
     settled,
 )
+from memfit.memory.planner.sharding import splits_parameters
 from memfit.memory.techniques.policies import make_policy
-from memfit.models.experts import model_param_counts
+from memfit.models.experts import keeps_padding_mask, model_param_counts
 
 log = logging.getLogger("memfit.memory")
 GB = 1e9
@@ -83,8 +84,6 @@ def explicit_mask(cfg: Any, hf_config: Any) -> bool:
     if str(getattr(hf_config, "_attn_implementation", None) or "sdpa").startswith("flash"):
         return False
     if cfg.train.objective == "dpo" or cfg.data.packing == "none":
-        from memfit.models.experts import keeps_padding_mask
-
         return keeps_padding_mask(hf_config)
     return cfg.data.packing != "blocks"
 
@@ -103,8 +102,7 @@ def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = Non
                      anchor_micro_batch=cfg.train.micro_batch_size, loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
                      dpo=cfg.dpo if cfg.train.objective == "dpo" else None, dpo_logits_keep=keep, dpo_coverage=covered,
                      # strategy auto may shard too (a replica that does not fit): counted as a copy, an upper bound
-                     dpo_sharded=cfg.distributed.world_size > 1 and cfg.distributed.strategy in ("fsdp2",
-                                                                                                  "deepspeed_zero3"),
+                     dpo_sharded=cfg.distributed.world_size > 1 and splits_parameters(cfg.distributed.strategy),
                      attention_mask=masked,
                      flattened=masked and cfg.data.packing == "padding_free" and cfg.data.flatten is True)
 

@@ -45,6 +45,13 @@ RULES: dict[str, ShardingRule] = {
 }
 
 
+def splits_parameters(strategy: str) -> bool:
+    """Pure: whether each rank holds only a slice of the weights (fsdp2, deepspeed_zero3): no whole copy of the
+    model exists on any rank. False for auto, which is resolved later."""
+    rule = RULES.get(strategy)
+    return rule is not None and rule.params
+
+
 def human(nbytes: float) -> str:
     """Bytes as GB (1e9), or MB / kB for small figures (tiny test models), for reasons and tables."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
