@@ -17,7 +17,9 @@ from memfit.config import MemfitConfig
 from memfit.data.cache import cached_data
 from memfit.errors import CheckpointError, ConfigError, MemfitError, MemoryLimitError, Preempted
 from memfit.memory.estimator.fake_model import config_from_dict
+from memfit.memory.estimator.preference import ROWS_PER_PAIR
 from memfit.memory.estimator.probe import explain_oom, measure_step, verdict, weights_to_device
+from memfit.memory.planner.pair_length import planned_seq_len
 from memfit.memory.planner.plan_cache import cache_path, load_plan, plan_key, store_plan
 from memfit.memory.planner.replan import plan_at_resume, trained_as
 from memfit.memory.planner.run_plan import run_plan
@@ -65,6 +67,8 @@ def check_environment_and_probe(cfg: MemfitConfig) -> ProbeReport:
         model.to(torch.bfloat16)  # the trainer holds pure bf16 weights: probe the step it will run
     # One rank's share of the micro-batch: that is what each process holds (all of it with one process).
     micro, seq = cfg.train.micro_batch_size // cfg.distributed.world_size, cfg.data.seq_len
+    if cfg.train.objective == "dpo":  # a DPO micro-batch is each pair's chosen and rejected rows, cut to the longest
+        micro, seq = micro * ROWS_PER_PAIR, planned_seq_len(cfg)
     model_config = model.config.to_dict()
     step = weights_to_device(model, device)
     if step is None:
@@ -88,6 +92,8 @@ def check_environment_and_probe(cfg: MemfitConfig) -> ProbeReport:
         est = estimate_policy(cfg, profile, "none", hf_config=config_from_dict(model_config))
         baseline.estimate = est.to_dict()
         baseline.message += "\n" + explain_oom(est, budget, source)
+    if cfg.train.objective == "dpo":
+        baseline.message += f" ({micro // ROWS_PER_PAIR} pairs a rank: chosen and rejected rows)"
     log.info("baseline probe: %s", baseline.message)
     return ProbeReport(environment=env, baseline=baseline.to_dict(), model_source=_source_name(cfg),
                        n_params=n_params, architecture=model_config)

@@ -66,6 +66,10 @@ class PlanReport(_Report):
     predicted_peak_bytes: int | None = None
     predicted_overhead: float | None = Field(None, description="Predicted step time / no checkpointing - 1.")
     predicted_step_seconds: float | None = Field(None, description="The estimator's step time on the target.")
+    trainable_params: int | None = Field(None, description="Parameters the plan trains: all of them, or LoRA's "
+                                         "adapters (None: a plan saved before this was recorded).")
+    weight_bytes: int | None = Field(None, description="The model's weights on the device as planned (a 4-bit base "
+                                     "at its packed size); a DPO reference copy holds as much again.")
     device: str | None = Field(None, description="The target it was planned for: the device profile's name "
                                "(memory.device, else this machine's).")
     budget_bytes: int | None = None
@@ -79,6 +83,10 @@ class PlanReport(_Report):
     world_size: int = Field(1, description="Training processes in all (distributed.nproc_per_node x nnodes).")
     sharding: dict[str, Any] | None = Field(None, description="Estimated bytes per rank under the strategy "
                                             "(memfit/memory/planner/sharding.py per_rank_bytes).")
+    ranks: dict[str, Any] | None = Field(None, description="With several ranks, the chosen stack's step as the "
+                                         "planner divided it: one process's parts at a rank's rows, the strategy "
+                                         "it held them to the limit with, and every strategy's row (sharding.py "
+                                         "rank_share); None: one process, or a plan saved before this was kept.")
     reused_from_step: int | None = Field(None, description="Reused from the training checkpoint of this step, "
                                          "without planning (a resume on the same target).")
     changes: str | None = Field(None, description="A re-plan at resume: why it planned again and what differs "

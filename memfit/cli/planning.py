@@ -88,7 +88,7 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
         if cfg.distributed.world_size > 1:
             from memfit.memory.planner.search import per_gpu_report
 
-            out["distributed"] = per_gpu_report(cfg, device, budget_gb)
+            out["distributed"] = per_gpu_report(result, cfg.distributed.world_size)
         if cfg.data.packing == "auto":  # the layouts weighed, like the stacks: predicted time per trained token
             from memfit.data.layout import format_layouts
             from memfit.run_context import packing_alternatives

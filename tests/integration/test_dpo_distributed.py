@@ -31,9 +31,12 @@ def _history(cfg, run_id: str, name: str) -> dict[int, float]:
     return {m.step: m.value for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, name)}
 
 
-def _run(cfg):
+def _run(cfg, seen: dict | None = None):
     probe = phases.check_environment_and_probe(cfg)
-    report = phases.train(cfg, phases.plan_stack(cfg, probe), phases.recover_training_checkpoint(cfg), probe)
+    plan = phases.plan_stack(cfg, probe)
+    if seen is not None:
+        seen.update(probe=probe, plan=plan)
+    report = phases.train(cfg, plan, phases.recover_training_checkpoint(cfg), probe)
     assert report.steps == STEPS
     return {name: _history(cfg, report.mlflow_run_id, name)
             for name in ("loss", "rewards/accuracies", "rewards/margins", "logps/chosen", "val_dpo_loss")}
@@ -61,7 +64,19 @@ NO_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 def test_dpo_on_two_ranks_trains_as_one_process(tmp_path, single, strategy):
     work, want = single
     cfg = _cfg(tmp_path, work, **{"distributed.nproc_per_node": 2, "distributed.strategy": strategy})
-    _assert_same_run(_run(cfg), want)
+    seen: dict = {}
+    _assert_same_run(_run(cfg, seen), want)
+    # Phase 1 probed one rank's DPO micro-batch: each pair's chosen and rejected rows, cut to the longest pair.
+    from memfit.memory.planner.pair_length import planned_seq_len
+
+    probed = seen["probe"].baseline
+    assert probed["batch_size"] == 2 * (cfg.train.micro_batch_size // 2) and probed["seq_len"] == planned_seq_len(cfg)
+    assert probed["seq_len"] < cfg.data.seq_len and "pairs a rank" in probed["message"]
+    # Phase 2 counted the frozen copy on ranks that hold whole weights (8 steps are under one pass: auto copies),
+    # and none where the weights are split (precompute).
+    sharding = seen["plan"].sharding
+    whole = strategy in ("ddp", "deepspeed_zero2")
+    assert sharding["reference"] == (seen["plan"].weight_bytes if whole else 0) and seen["plan"].weight_bytes > 0
     kept = list((tmp_path / "checkpoints" / "reference").glob("ref-logps-*.safetensors"))
     # Sharded (FSDP2, ZeRO-3): the reference was precomputed and kept in the store; whole weights: a copy, nothing kept.
     assert bool(kept) == (strategy in ("fsdp2", "deepspeed_zero3")), kept

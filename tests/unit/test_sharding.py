@@ -65,12 +65,61 @@ def test_ddp_when_a_replica_fits_and_single_for_one_process():
     assert strategy == "fsdp2" and "offload_optimizer" in why  # nothing fits: says what to try
 
 
+def test_a_dpo_reference_copy_is_whole_on_replicas_and_absent_where_weights_are_split():
+    # A frozen copy of the module is never sharded; fsdp2 / ZeRO-3 precompute the reference instead.
+    rows = {s: per_rank_bytes(800, 800, 1600, 100, s, 4, reference_bytes=800)
+            for s in ("ddp", "deepspeed_zero2", "fsdp2", "deepspeed_zero3")}
+    assert [rows[s]["reference"] for s in rows] == [800, 800, 0, 0]
+    assert rows["ddp"]["total"] == 800 + 800 + 1600 + 100 + 800
+    assert rows["deepspeed_zero2"]["total"] == 800 + 200 + 400 + 100 + 800
+    assert rows["fsdp2"]["total"] == per_rank_bytes(800, 800, 1600, 100, "fsdp2", 4)["total"]
+    assert "ref." in format_table(list(rows.values()))
+    # The copy alone tips a replica over the budget: auto shards (and precomputes) instead.
+    assert choose_strategy(800, 800, 1600, 100, 4, 3500)[0] == "ddp"
+    assert choose_strategy(800, 800, 1600, 100, 4, 3500, reference_bytes=800)[0] == "fsdp2"
+    # Unless the config asks for a copy: then a replica it is, with the way out in the reason.
+    strategy, why, est = choose_strategy(800, 800, 1600, 100, 4, 3500, reference_bytes=800, reference_copy_set=True)
+    assert strategy == "ddp" and est["total"] == 4100 and "deepspeed_zero2" in why
+
+
+def _estimate(moments, kinds=("none", "none")):
+    from memfit.memory.estimator.compose import Estimate, Stack
+
+    peak = max(moments, key=lambda v: sum(v.values()))
+    return Estimate(stack=Stack("fp32", 4, 1, False), kinds=kinds, policy="none", every_k=None, peak_bytes=sum(peak.values()),
+                    breakdown=dict(peak), activation_bytes=0, peak_at="optimizer step", step_seconds=1.0, host_bytes=0,
+                    weight_bytes=100, n_params=25, n_trainable=25, moments=moments)
+
+
+def test_a_rank_peaks_where_its_share_does_not_where_one_process_does():
+    from memfit.memory.planner.sharding import rank_share
+
+    # One process peaks at the optimizer step (full gradients, moments and scratch: 500 B); the end of the forward
+    # holds less in all (450 B) but a third of it is activations, which no strategy divides.
+    step = {"params": 100, "grads": 100, "optimizer": 200, "activations": 0, "other": 100}
+    forward = {"params": 100, "grads": 0, "optimizer": 200, "activations": 150, "other": 0}
+    e = _estimate([forward, step], kinds=("none",) * 4)
+    ddp = rank_share(e, strategy="ddp", world_size=4, limit=None)
+    assert ddp.peak_bytes == 500 and ddp.breakdown == step  # a replica: the process's own peak
+    fsdp = rank_share(e, strategy="fsdp2", world_size=4, limit=None)
+    # At the step: 25 + 50 + 50 + two gathered 25 B blocks and one block's 50 B of gradients = 225 B. At the
+    # forward's end: 25 + 0 + 50 + 150 + the two blocks = 275 B: that is the rank's peak.
+    assert fsdp.peak_bytes == 275 and fsdp.breakdown["activations"] == 150
+    assert fsdp.extra["ranks"]["strategy"] == "fsdp2" and fsdp.moments == []
+    # auto: ddp within the limit, else fsdp2; the stack keeps the global micro-batch it was asked about
+    assert rank_share(e, strategy="auto", world_size=4, limit=500).extra["ranks"]["strategy"] == "ddp"
+    auto = rank_share(e, strategy="auto", world_size=4, limit=499)
+    assert auto.extra["ranks"]["strategy"] == "fsdp2" and auto.peak_bytes == 275
+    assert auto.stack.micro_batch_size == 4
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"strategy": "zero9"}, "unknown strategy"),
     ({"strategy": "fsdp2", "world_size": 0}, "world_size"),
     ({"strategy": "single", "world_size": 2}, "one process"),
     ({"strategy": "fsdp2", "offload_optimizer": True}, "DeepSpeed"),
     ({"strategy": "ddp", "params": -1}, "params"),
+    ({"strategy": "ddp", "reference_bytes": -1}, "reference_bytes"),
 ])
 def test_bad_input_is_a_clear_error(kwargs, match):
     args = {"params": 1, "grads": 1, "optim": 1, "activations": 1, "strategy": "ddp", "world_size": 2, **kwargs}

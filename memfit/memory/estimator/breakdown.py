@@ -193,12 +193,17 @@ def markdown(name: str, description: str, summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _per_rank(out: dict[str, Any]) -> str:
+    ranks = out.get("ranks")
+    return "" if ranks is None else f" per rank ({ranks['strategy']} on {ranks['world_size']} ranks)"
+
+
 def estimate_text(out: dict[str, Any]) -> str:
     """Pure: `memfit estimate`'s report (memory.search.estimate_report) as the lines a person reads."""
     gb = 1e9
     lines = [f"{out['policy']} on {out['device']}, {out['precision']}, micro-batch {out['micro_batch_size']} x "
              f"{out['grad_accum_steps']} x {out['seq_len']} tokens{', LoRA' if out['lora'] else ''}: "
-             f"peak {out['total_bytes'] / gb:.3f} GB ({out['peak_at']})"]
+             f"peak {out['total_bytes'] / gb:.3f} GB{_per_rank(out)} ({out['peak_at']})"]
     lines += [f"  {k:<12} {v / gb:10.3f} GB" for k, v in out["breakdown"].items()]
     if out["budget_bytes"] is not None:
         lines.append(f"  budget {out['budget_bytes'] / gb:.3f} GB ({out['budget_source']}): "

@@ -107,9 +107,13 @@ class Estimate:
     n_trainable: int
     method: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # Every moment's bytes by category (compose's keep_moments): where a step divided over ranks peaks need not be
+    # where one process does (sharding shrinks the state, not the activations). Not part of the report.
+    moments: list[Vec] = field(default_factory=list, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("moments")
         d["stack"] = asdict(self.stack)
         d["kinds"] = list(self.kinds)
         return d
@@ -155,14 +159,16 @@ def _where(label: str, block: int | None) -> str:
 
 
 def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] | tuple[str, ...],
-            stack: Stack, method: str = "") -> Estimate:
-    """Walk the step segment by segment for `kinds` (one per block), tracking memory by category."""
+            stack: Stack, method: str = "", keep_moments: bool = False) -> Estimate:
+    """Walk the step segment by segment for `kinds` (one per block), tracking memory by category; keep_moments:
+    every segment's high point too (Estimate.moments)."""
     n = len(kinds)
     if n != static.n_blocks:
         raise ValueError(f"{n} block kinds for a {static.n_blocks}-block model")
     first, last = traces[kinds[0]], traces[kinds[-1]]
     mem = dict(static.after_opt)
     best: tuple[int, Vec, str] = (total(mem), dict(mem), "start of step")
+    moments: list[Vec] = [dict(mem)] if keep_moments else []
     seconds = 0.0
     activations = 0
 
@@ -171,6 +177,8 @@ def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] 
         if seg is None:
             return
         candidate = add(mem, seg.rise)
+        if keep_moments:
+            moments.append(candidate)
         if total(candidate) > best[0]:
             best = (total(candidate), candidate, where)
         mem = add(mem, seg.delta)
@@ -197,6 +205,8 @@ def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] 
     # The optimizer step, measured on the full-depth model; shifted by whatever else is alive here.
     leftover = add(mem, static.before_opt, -1)
     opt = add(static.opt_peak, leftover)
+    if keep_moments:
+        moments.append(opt)
     if total(opt) > best[0]:
         best = (total(opt), opt, "optimizer step")
     seconds += static.opt_seconds
@@ -206,5 +216,6 @@ def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] 
     return Estimate(stack=stack, kinds=tuple(kinds), policy=name, every_k=k, peak_bytes=sum(breakdown.values()),
                     breakdown=breakdown, activation_bytes=max(0, activations), peak_at=best[2],
                     step_seconds=seconds, host_bytes=host, weight_bytes=static.weight_bytes,
-                    n_params=static.n_params, n_trainable=static.n_trainable, method=method)
+                    n_params=static.n_params, n_trainable=static.n_trainable, method=method,
+                    moments=[{key: max(0, v[key]) for key in BREAKDOWN_KEYS} for v in moments])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -78,6 +78,9 @@ class Estimator:
         self._traces: dict[tuple, KindTrace] = {}
         self.trace_seconds = 0.0
         self._base: torch.nn.Module | None = None
+        # Several ranks (for_ranks): each traces its share of a micro-batch, then the planner's sharding applies.
+        self.world_size = 1
+        self.share: Callable[[Estimate], Estimate] | None = None
 
     # -- tracing -----------------------------------------------------------------------------------------
     def _build(self, n: int, stack: Stack, mode: Any) -> torch.nn.Module:
@@ -92,6 +95,14 @@ class Estimator:
         other = copy.copy(self)
         other.seq_len, other._traces = seq_len, {}
         other.dpo_logits_keep = None  # the data's prompts say nothing of rows of another length: every position
+        return other
+
+    def for_ranks(self, world_size: int, share: Callable[[Estimate], Estimate]) -> Estimator:
+        """The same model and target, each estimate one rank's of `world_size`: the rank's share of every
+        micro-batch traced (the stack keeps the global micro-batch), then `share` (the planner's sharding:
+        planner/sharding.py) turns one process's bytes into that rank's."""
+        other = copy.copy(self)  # the traces are shared: a rank's micro-batch is just another traced size
+        other.world_size, other.share = world_size, share
         return other
 
     def static(self, stack: Stack) -> StaticTrace:
@@ -192,7 +203,9 @@ class Estimator:
 
         vocab = int(getattr(self.hf_config, "vocab_size", 0) or 0)
         # DPO forms its log-probs from the logits (training/objective.py): the plain loss's trace is their twin.
-        loss = "plain" if self.dpo is not None else resolve_loss(stack.loss, vocab, device_type=self.profile.kind)
+        # Several ranks run the model's own loss (distributed/planning.py): auto is plain there.
+        loss = "plain" if self.dpo is not None else resolve_loss(stack.loss, vocab, self.world_size,
+                                                                 device_type=self.profile.kind)
         return replace(stack, loss=loss,
                        optimizer=resolve_optimizer(stack.optimizer, self.profile.kind))
 
@@ -271,15 +284,19 @@ class Estimator:
 
     def estimate(self, stack: Stack, kinds: Sequence[str]) -> Estimate:
         stack = self.resolved(stack)
-        traces = {k: self.kind_trace(stack, k) for k in set(kinds)}
+        # One rank holds micro-batch / world_size rows of each micro-batch (several ranks split it evenly).
+        traced = replace(stack, micro_batch_size=max(1, stack.micro_batch_size // self.world_size))
+        traces = {k: self.kind_trace(traced, k) for k in set(kinds)}
         method = (f"fake-tensor trace of a {min(self.n_blocks, PROXY_BLOCKS)}-block proxy per block kind, "
                   f"composed to {self.n_blocks} blocks; optimizer step traced at full depth")
-        estimate = compose(self.static(stack), traces, list(kinds), stack, method)
-        if self.dpo is None:
-            return estimate
-        from memfit.memory.estimator.preference import with_reference
+        estimate = compose(self.static(stack), traces, list(kinds), traced, method, keep_moments=self.share is not None)
+        if self.dpo is not None:
+            from memfit.memory.estimator.preference import with_reference
 
-        return with_reference(estimate, self._reference(stack))
+            estimate = with_reference(estimate, self._reference(stack))
+        if self.share is None:
+            return replace(estimate, stack=stack)
+        return replace(self.share(estimate), stack=stack)
 
     def _reference(self, stack: Stack) -> str:
         """dpo.reference as the run resolves it for this stack (auto: from the passes over the pairs, where read)."""

@@ -241,7 +241,11 @@ def _why(plan: Plan, e: Estimate, fixed_policy: str | None) -> str:
             else f"fastest stack that fits: {describe(e)}")
     stopped = "".join(f"; leaner than {m.label()}, which measured {m.measured_bytes / GB:.4g} GB at step {m.step} "
                       f"> limit {m.limit_bytes / GB:.4g} GB ({m.limit_source})" for m in plan.measured)
-    return (f"{head}; predicted peak {e.peak_bytes / GB:.4g} GB vs {budget}; predicted step "
+    ranks = e.extra.get("ranks")
+    per = "" if ranks is None else (f" per rank ({ranks['strategy']}: {e.stack.micro_batch_size // ranks['world_size']}"
+                                    f" of each micro-batch's {e.stack.micro_batch_size} rows on each of "
+                                    f"{ranks['world_size']} ranks)")
+    return (f"{head}; predicted peak {e.peak_bytes / GB:.4g} GB{per} vs {budget}; predicted step "
             f"{e.step_seconds:.3g} s, {plan.overhead(e) * 100:+.1f}% vs the configured stack without "
             f"checkpointing{stopped}")
 
@@ -316,7 +320,8 @@ def measured_out_message(leanest: Estimate, why: str, measured: Sequence[Measure
 def nothing_fits_message(leanest: Estimate, budget: int, limit: int, source: str, configured: Stack) -> str:
     b = leanest.breakdown
     field_name = "memory.budget_gb" if source == "memory.budget_gb" else f"the budget ({source})"
-    if leanest.weight_bytes > budget:
+    held = leanest.breakdown["params"] if "ranks" in leanest.extra else leanest.weight_bytes  # a rank's share
+    if held > budget:
         lean = ("" if leanest.stack.quantize != "none" else
                 "; lora.enabled=auto with lora.quantize=nf4 lets the planner hold the frozen base in 16 or 4 bits"
                 if not leanest.stack.lora else "; lora.quantize=nf4 holds the frozen base in 4 bits")

@@ -24,7 +24,9 @@ def run_plan(cfg: Any, probe_report: ProbeReport, profile: DeviceProfile, budget
     device = probe_report.environment["device"]
     architecture = config_from_dict(probe_report.architecture)
     plan = plan_for(cfg, profile, budget, source, hf_config=architecture, measured=measured)
-    weights = plan.chosen.weight_bytes if plan.chosen is not None else None
+    # The weights one process (or, with several ranks, one rank) holds.
+    weights = None if plan.chosen is None else plan.chosen.breakdown["params"] \
+        if "ranks" in plan.chosen.extra else plan.chosen.weight_bytes
     if not plan.fits and (cfg.memory.policy == "auto" or (budget is not None and weights and weights > budget)
                           or (plan.chosen is not None and plan.excluded(plan.chosen))):
         # The planner found nothing, even a forced policy cannot hold the weights themselves, or a forced policy
@@ -50,4 +52,6 @@ def run_plan(cfg: Any, probe_report: ProbeReport, profile: DeviceProfile, budget
                       fits=plan.fits, predicted_peak_bytes=chosen.peak_bytes, budget_bytes=budget, device=profile.name,
                       predicted_overhead=row["predicted_overhead"], budget_source=source, evaluation=evaluation,
                       predicted_step_seconds=row["predicted_step_seconds"], table_markdown=plan_table_markdown(plan),
+                      trainable_params=chosen.n_trainable, weight_bytes=chosen.weight_bytes,
+                      ranks=chosen.extra.get("ranks"),
                       alternatives=[plan.row(e) for e in plan.table if e is not chosen])

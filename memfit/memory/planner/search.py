@@ -99,7 +99,9 @@ def make_estimator(cfg: Any, profile: DeviceProfile, hf_config: Any | None = Non
     return Estimator(hf_config, seq_len, profile,
                      lora_cfg=cfg.lora, save_ops=cfg.memory.selective_save_ops, block_class=cfg.memory.block_class,
                      weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.max_grad_norm,
-                     anchor_micro_batch=cfg.train.micro_batch_size, loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
+                     # each rank traces its share of the micro-batch (for_ranks): that is the largest it meets
+                     anchor_micro_batch=cfg.train.micro_batch_size // cfg.distributed.world_size,
+                     loss_chunk_tokens=cfg.memory.loss_chunk_tokens,
                      dpo=cfg.dpo if cfg.train.objective == "dpo" else None, dpo_logits_keep=keep, dpo_coverage=covered,
                      # strategy auto may shard too (a replica that does not fit): counted as a copy, an upper bound
                      dpo_sharded=cfg.distributed.world_size > 1 and splits_parameters(cfg.distributed.strategy),
@@ -113,10 +115,28 @@ def policy_kinds(cfg: Any, n_blocks: int, policy: str) -> tuple[str, ...]:
     return tuple(p.block_kinds(n_blocks))
 
 
+def on_ranks(est: Estimator, cfg: Any, limit: float | None) -> Estimator:
+    """With several ranks each estimate is one rank's: its share of every micro-batch, and the training state as
+    distributed.strategy divides it (auto: ddp where a whole replica fits `limit`, else fsdp2; sharding.py)."""
+    world = cfg.distributed.world_size
+    if world == 1 or est.world_size == world:
+        return est
+    from functools import partial
+
+    from memfit.memory.planner.sharding import rank_share
+
+    copy_set = cfg.train.objective == "dpo" and cfg.dpo.reference == "copy"
+    return est.for_ranks(world, partial(rank_share, strategy=cfg.distributed.strategy, world_size=world,
+                                        limit=None if limit is None else int(limit),
+                                        offload_optimizer=cfg.distributed.offload_optimizer,
+                                        reference_copy_set=copy_set))
+
+
 def estimate_policy(cfg: Any, profile: DeviceProfile, policy: str, hf_config: Any | None = None,
-                    estimator: Estimator | None = None) -> Estimate:
-    """One estimate: the configured stack under a fixed policy."""
-    est = estimator or make_estimator(cfg, profile, hf_config)
+                    estimator: Estimator | None = None, limit: float | None = None) -> Estimate:
+    """One estimate: the configured stack under a fixed policy (one rank's with several: `limit` picks auto's
+    strategy)."""
+    est = on_ranks(estimator or make_estimator(cfg, profile, hf_config), cfg, limit)
     stack = configured_stack(cfg)
     return est.estimate(stack, policy_kinds(cfg, est.n_blocks, policy))
 
@@ -160,9 +180,11 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
     lora.enabled=auto: that policy on each LoRA fallback, until one fits). `measured`: stacks this run was
     stopped at the memory limit with (planner/limits.py); they and what their measurement rules out never fit."""
     t0 = time.perf_counter()
-    est = estimator or make_estimator(cfg, profile, hf_config)
-    n = est.n_blocks
     margin = fit_margin(cfg.memory.safety_margin, profile.kind)
+    # Several ranks: every estimate below is one rank's, held to the same limit.
+    est = on_ranks(estimator or make_estimator(cfg, profile, hf_config), cfg,
+                   None if budget is None else budget * (1.0 - margin))
+    n = est.n_blocks
     configured = configured_stack(cfg, lora=cfg.lora.enabled is True)
     if not profile.bf16:
         configured = replace(configured, precision=no_bf16_precision(configured.precision))
@@ -197,7 +219,7 @@ def plan_for(cfg: Any, profile: DeviceProfile, budget: int | None, source: str, 
         every = assignments(n, kinds)
     tiers = candidate_tiers(cfg, profile)
     holds = {(s.precision, s.lora, s.quantize, s.optimizer) for tier in tiers for s in tier}
-    if budget is not None and baseline.weight_bytes > budget and len(holds) == 1:
+    if budget is not None and baseline.weight_bytes / est.world_size > budget and len(holds) == 1:
         # The weights alone exceed the budget and no fallback holds them smaller: nothing can fit.
         return choose([baseline], budget, configured=configured, baseline=baseline,
                       safety_margin=margin, budget_source=source, fixed_policy=fixed_policy)
@@ -283,7 +305,8 @@ def selective_may_fit(all_full: Estimate | None, limit: float | None) -> bool:
 
 def _floor(est: Estimator, stack: Stack) -> int:
     st = est.static(stack)
-    return total(st.before_opt if not est.resolved(stack).optimizer_in_backward else st.after_opt)
+    # Several ranks hold at least their 1/world share of it (fsdp2 divides it all): a bound that never skips a fit.
+    return total(st.before_opt if not est.resolved(stack).optimizer_in_backward else st.after_opt) // est.world_size
 
 
 def n_blocks_for(cfg: Any, hf_config: Any | None = None) -> int:
@@ -306,12 +329,12 @@ def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None
         cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"policy": policy})})
     profile, budget, source = resolve_target(cfg, device, budget_gb)
     est = make_estimator(cfg, profile)
+    limit = None if budget is None else int(budget * (1 - fit_margin(cfg.memory.safety_margin, profile.kind)))
     if cfg.memory.policy == "auto":
         plan = plan_for(cfg, profile, budget, source, estimator=est)
         e = plan.chosen or min(plan.table, key=lambda x: x.peak_bytes)
     else:
-        e = estimate_policy(cfg, profile, cfg.memory.policy, estimator=est)
-    limit = None if budget is None else int(budget * (1 - fit_margin(cfg.memory.safety_margin, profile.kind)))
+        e = estimate_policy(cfg, profile, cfg.memory.policy, estimator=est, limit=limit)
     counts = model_param_counts(est.hf_config, est.base_model())  # the meta build the estimator holds
     return {
         "params_total": counts["total"], "params_active": counts["active"],
@@ -324,6 +347,8 @@ def estimate_report(cfg: Any, device: str | None = None, budget_gb: float | None
         "precision": e.stack.precision, "micro_batch_size": e.stack.micro_batch_size,
         "grad_accum_steps": e.stack.grad_accum_steps, "seq_len": est.seq_len, "lora": e.stack.lora,
         "quantize": e.stack.quantize, "dpo": dpo_report(cfg, est, e),
+        "ranks": None if "ranks" not in e.extra else {k: e.extra["ranks"][k]
+                                                      for k in ("strategy", "world_size", "why")},
         "n_params": e.n_params, "n_trainable": e.n_trainable, "weight_bytes": e.weight_bytes,
         "host_bytes": e.host_bytes, "predicted_step_seconds": round(e.step_seconds, 6),
         "device": profile.name, "device_memory_bytes": profile.memory_bytes,
@@ -359,32 +384,13 @@ def plan_report(cfg: Any, device: str | None = None, budget_gb: float | None = N
     return plan, out
 
 
-def per_gpu_report(cfg: Any, device: str | None = None, budget_gb: float | None = None) -> dict[str, Any]:
-    """`memfit plan` with several ranks: one rank's step estimated at its share of the batch, then the
-    training state divided as each strategy shards it (memfit/memory/planner/sharding.py)."""
-    from memfit.memory.planner.sharding import STRATEGIES, choose_strategy, per_rank_bytes
-
-    world = cfg.distributed.world_size
-    # One rank runs the single-process step on its slice of every global batch.
-    rank_train = cfg.train.model_copy(update={"batch_size": cfg.train.batch_size // world})
-    rank_cfg = cfg.model_copy(update={"train": rank_train})
-    plan, out = plan_report(rank_cfg, device, budget_gb)
+def per_gpu_report(plan: Plan, world: int) -> dict[str, Any]:
+    """`memfit plan` with several ranks: the plan is already one rank's (its share of every micro-batch, the state
+    as the strategy divides it: on_ranks); this is its chosen stack under every strategy (planner/sharding.py)."""
     if plan.chosen is None:
-        return {"world_size": world, "error": out.get("error")}
-    row = plan.row(plan.chosen)
-    b = row["breakdown"]
-    n_blocks = max(1, len(plan.chosen.kinds))
-    # `other` is mostly gradient-sized scratch (backward buffers, AdamW's foreach copy): it shards with the
-    # gradients. Activations: what the forward leaves alive for backward on this rank's micro-batch.
-    parts = (int(b["params"]), int(b["grads"]) + int(b["other"]), int(b["optimizer"]),
-             int(row["predicted_activation_bytes"]))
-    block = parts[0] // n_blocks  # the largest block is about the average one in a decoder stack
-    rows = {s: per_rank_bytes(*parts, s, world, block_bytes=block) for s in STRATEGIES if s != "single"}
-    if cfg.distributed.strategy == "auto":
-        strategy, why, _ = choose_strategy(*parts, world, plan.budget_bytes, block_bytes=block)
-    else:
-        strategy, why = cfg.distributed.strategy, f"distributed.strategy={cfg.distributed.strategy} set in the config"
-    chosen = rows[strategy]
-    return {"world_size": world, "strategy": strategy, "reason": why, "per_gpu_bytes": chosen["total"],
-            "fits": plan.budget_bytes is None or chosen["total"] <= plan.budget_bytes,
-            "budget_bytes": plan.budget_bytes, "per_rank_plan": row, "strategies": rows}
+        return {"world_size": world, "error": plan.error}
+    ranks = plan.chosen.extra["ranks"]
+    chosen = ranks["rows"][ranks["strategy"]]
+    return {"world_size": world, "strategy": ranks["strategy"], "reason": ranks["why"],
+            "per_gpu_bytes": chosen["total"], "fits": plan.budget_bytes is None or chosen["total"] <= plan.budget_bytes,
+            "budget_bytes": plan.budget_bytes, "per_rank_plan": plan.row(plan.chosen), "strategies": ranks["rows"]}

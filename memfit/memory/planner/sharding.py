@@ -15,11 +15,17 @@
 # `offload_optimizer` (DeepSpeed only) moves the optimizer state to CPU memory: it leaves the device total
 # and is reported as `cpu_offload`. Activations are never divided: each rank holds the activations of its
 # own micro-batch, which is the global micro-batch / world size (`activations` is that per-rank figure).
+#
+# DPO's frozen reference copy (`reference_bytes`: the model's weights once more) sits whole on every rank that
+# holds a whole replica (ddp, deepspeed_zero2: a copy of the module is never sharded). Where each rank holds a
+# slice (fsdp2, deepspeed_zero3) nothing is copied: the reference log-probs are precomputed before step 1, so
+# the copy costs those ranks nothing while training.
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 GB = 1e9
@@ -66,15 +72,17 @@ def _shard(nbytes: int, divide: bool, world_size: int) -> int:
 
 
 def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strategy: str, world_size: int, *,
-                   block_bytes: int = 0, offload_optimizer: bool = False) -> dict[str, Any]:
+                   block_bytes: int = 0, offload_optimizer: bool = False, reference_bytes: int = 0) -> dict[str, Any]:
     """Bytes ONE rank needs for the training state under `strategy` on `world_size` ranks.
 
     params / grads / optim: what a single process holds for the whole model (e.g. fp32 AdamW: 4, 4 and
     8 bytes per trainable parameter; include fp32 master weights in `optim` when the strategy keeps them).
     activations: the peak activation bytes of one rank's micro-batch. block_bytes: parameter bytes of the
     largest decoder block (fully sharded strategies all-gather two at a time and hold one block's full
-    gradients before the reduce-scatter; 0 leaves this transient out). Returns the parts, their `total`
-    on the device, `cpu_offload` bytes, and which parts are `sharded`.
+    gradients before the reduce-scatter; 0 leaves this transient out). reference_bytes: a DPO reference copy's
+    weights, held whole where the strategy keeps a whole replica and not at all where it splits the
+    parameters (precomputed there). Returns the parts, their `total` on the device, `cpu_offload` bytes, and
+    which parts are `sharded`.
     """
     if strategy not in RULES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -85,7 +93,7 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
     if offload_optimizer and not strategy.startswith("deepspeed"):
         raise ValueError(f"offload_optimizer is a DeepSpeed (ZeRO-Offload) feature, not available with {strategy}")
     for name, value in (("params", params), ("grads", grads), ("optim", optim), ("activations", activations),
-                        ("block_bytes", block_bytes)):
+                        ("block_bytes", block_bytes), ("reference_bytes", reference_bytes)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0 bytes (got {value})")
     rule = RULES[strategy]
@@ -100,10 +108,12 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
         grad_per_param = grads / params if params else 1.0
         # Two unsharded blocks (the one computing, the next prefetched) + the full grads of one block.
         transient = 2 * int(block_bytes) + int(block_bytes * grad_per_param)
-    total = out_params + out_grads + out_optim + int(activations) + transient
+    reference = 0 if rule.params else int(reference_bytes)
+    total = out_params + out_grads + out_optim + int(activations) + transient + reference
     return {
         "strategy": strategy, "world_size": world_size, "params": out_params, "grads": out_grads,
-        "optim": out_optim, "activations": int(activations), "transient": transient, "total": total,
+        "optim": out_optim, "activations": int(activations), "transient": transient, "reference": reference,
+        "total": total,
         "cpu_offload": cpu,
         "sharded": {"params": rule.params, "grads": rule.grads, "optim": rule.optim},
     }
@@ -124,41 +134,119 @@ def training_state_bytes(n_trainable: int, precision: str, n_frozen: int = 0) ->
 
 
 def choose_strategy(params: int, grads: int, optim: int, activations: int, world_size: int,
-                    budget_bytes: int | None, *, block_bytes: int = 0) -> tuple[str, str, dict[str, Any]]:
+                    budget_bytes: int | None, *, block_bytes: int = 0, reference_bytes: int = 0,
+                    reference_copy_set: bool = False) -> tuple[str, str, dict[str, Any]]:
     """`distributed.strategy=auto`: (strategy, why, its per-rank bytes).
 
     ddp when a full replica fits the budget (fastest: one all-reduce, no gathers); otherwise fsdp2
     (parameters, gradients and optimizer state sharded). fsdp2 is also the answer when nothing fits; the
     reason says so and names the ways out (more ranks, gradient checkpointing, DeepSpeed offload).
+    reference_bytes: DPO's frozen reference copy, which a replica holds whole and fsdp2 replaces by precomputed
+    log-probs; `reference_copy_set` (dpo.reference: copy in the config) keeps the copy, so fsdp2 is out.
     """
     if world_size == 1:
-        est = per_rank_bytes(params, grads, optim, activations, "single", 1)
+        est = per_rank_bytes(params, grads, optim, activations, "single", 1, reference_bytes=reference_bytes)
         return "single", "one process: nothing to divide", est
-    ddp = per_rank_bytes(params, grads, optim, activations, "ddp", world_size)
+    ddp = per_rank_bytes(params, grads, optim, activations, "ddp", world_size, reference_bytes=reference_bytes)
+    fsdp = per_rank_bytes(params, grads, optim, activations, "fsdp2", world_size, block_bytes=block_bytes,
+                          reference_bytes=reference_bytes)
+    return strategy_between(ddp, fsdp, budget_bytes, reference_bytes, reference_copy_set)
+
+
+def strategy_between(ddp: dict[str, Any], fsdp: dict[str, Any], budget_bytes: int | None, reference_bytes: int = 0,
+                     reference_copy_set: bool = False) -> tuple[str, str, dict[str, Any]]:
+    """choose_strategy's rule on a rank's bytes under ddp and under fsdp2 (per_rank_bytes rows)."""
+    world_size = ddp["world_size"]
+    copy = f" (with the DPO reference copy's {human(reference_bytes)})" if reference_bytes else ""
     if budget_bytes is None:
         return "ddp", "no memory budget known: replicate the model (ddp, fastest)", ddp
     if ddp["total"] <= budget_bytes:
-        return "ddp", (f"a full replica needs {human(ddp['total'])} per rank, within the "
+        return "ddp", (f"a full replica{copy} needs {human(ddp['total'])} per rank, within the "
                        f"{human(budget_bytes)} budget: ddp"), ddp
-    fsdp = per_rank_bytes(params, grads, optim, activations, "fsdp2", world_size, block_bytes=block_bytes)
+    if reference_copy_set:
+        return "ddp", (f"a full replica{copy} needs {human(ddp['total'])} per rank, over the "
+                       f"{human(budget_bytes)} budget, and dpo.reference: copy keeps a whole copy, which fsdp2 "
+                       "cannot shard: set dpo.reference to precompute (or auto) so fsdp2 can shard the model, "
+                       "or distributed.strategy: deepspeed_zero2"), ddp
+    precomputed = "; the reference log-probs are precomputed (a sharded model is not copied)" if copy else ""
     if fsdp["total"] <= budget_bytes:
-        return "fsdp2", (f"a full replica needs {human(ddp['total'])} per rank, over the "
+        return "fsdp2", (f"a full replica{copy} needs {human(ddp['total'])} per rank, over the "
                          f"{human(budget_bytes)} budget; sharded over {world_size} ranks it needs "
-                         f"{human(fsdp['total'])}: fsdp2"), fsdp
+                         f"{human(fsdp['total'])}{precomputed}: fsdp2"), fsdp
     return "fsdp2", (f"even sharded over {world_size} ranks the step needs {human(fsdp['total'])} per rank, "
                      f"over the {human(budget_bytes)} budget: add ranks, use gradient checkpointing, or "
                      "deepspeed_zero3 with distributed.offload_optimizer=true"), fsdp
 
 
+def rank_parts(breakdown: Mapping[str, int], reference_bytes: int = 0) -> tuple[int, int, int, int]:
+    """Pure: one moment of one process's step (the estimator's bytes by category) as per_rank_bytes' params,
+    grads, optim and activations. `other` is mostly gradient-sized scratch (backward buffers, AdamW's foreach
+    copy): it shards with the gradients, less a DPO reference copy held in it (`reference_bytes`), which
+    per_rank_bytes counts by the strategy."""
+    grads = int(breakdown.get("grads", 0)) + max(0, int(breakdown.get("other", 0)) - int(reference_bytes))
+    return (int(breakdown.get("params", 0)), grads, int(breakdown.get("optimizer", 0)),
+            int(breakdown.get("activations", 0)))
+
+
+def rank_peak(moments: list[Mapping[str, int]], strategy: str, world_size: int, n_blocks: int,
+              reference_bytes: int = 0, offload_optimizer: bool = False) -> dict[str, Any]:
+    """Pure: one rank's per_rank_bytes row at the moment of the step where it peaks. Sharding shrinks the state,
+    not the activations, so that moment need not be where one process peaks (`moments`: every moment's bytes by
+    category, none of them holding the reference copy)."""
+    rule = RULES[strategy]
+    best, best_total = None, -1
+    for vec in moments:
+        p, g, o, a = rank_parts(vec)
+        # per_rank_bytes' total, unrolled: this runs for every moment of every candidate the planner weighs
+        grad_per_param = g / p if p else 1.0
+        block = p // max(1, n_blocks)
+        transient = 2 * block + int(block * grad_per_param) if rule.gathers_blocks and world_size > 1 else 0
+        held = (_shard(p, rule.params, world_size) + _shard(g, rule.grads, world_size) + a + transient
+                + (0 if offload_optimizer else _shard(o, rule.optim, world_size)))
+        if held > best_total:
+            best, best_total = (p, g, o, a), held
+    assert best is not None
+    return per_rank_bytes(*best, strategy, world_size, block_bytes=best[0] // max(1, n_blocks),
+                          reference_bytes=reference_bytes, offload_optimizer=offload_optimizer)
+
+
+def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | None, offload_optimizer: bool = False,
+               reference_copy_set: bool = False) -> Any:
+    """One process's estimate (traced at one rank's rows, with its moments) as one rank's under `strategy` (auto:
+    ddp or fsdp2 by choose_strategy's rule against `limit`, the budget less its margin): the peak and breakdown
+    become the rank's; the strategy, why, and every strategy's row are kept in extra["ranks"] (for `memfit plan`
+    and phase 2)."""
+    ref = int(estimate.extra.get("reference_bytes") or 0)
+    moments = estimate.moments or [dict(estimate.breakdown, other=estimate.breakdown["other"] - ref)]
+    n_blocks = len(estimate.kinds)
+    rows = {s: rank_peak(moments, s, world_size, n_blocks, ref) for s in STRATEGIES if s != "single"}
+    if strategy == "auto":
+        strategy, why, row = strategy_between(rows["ddp"], rows["fsdp2"], limit, ref, reference_copy_set)
+    else:
+        row = rank_peak(moments, strategy, world_size, n_blocks, ref, offload_optimizer) if offload_optimizer \
+            else rows[strategy]
+        why = f"distributed.strategy={strategy} set in the config ({human(row['total'])} per rank estimated)"
+    rows[strategy] = row
+    breakdown = {"params": row["params"], "grads": row["grads"], "optimizer": row["optim"],
+                 "activations": row["activations"], "other": row["transient"] + row["reference"]}
+    if not any(row["sharded"].values()):  # ddp: one process's step at a rank's rows, as traced
+        breakdown = dict(estimate.breakdown)
+    ranks = {"strategy": strategy, "why": why, "world_size": world_size, "reference_bytes": ref,
+             "limit_bytes": limit, "rows": rows}
+    return replace(estimate, peak_bytes=row["total"], breakdown=breakdown, moments=[],
+                   host_bytes=estimate.host_bytes + row["cpu_offload"], extra={**estimate.extra, "ranks": ranks})
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A plain-text table of per_rank_bytes results (GB), one row per strategy: for `memfit plan`."""
     head = f"{'strategy':<16}{'ranks':>6}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'transient':>10}" \
-           f"{'total/rank':>12}{'cpu':>8}"
+           f"{'ref.':>8}{'total/rank':>12}{'cpu':>8}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['strategy']:<16}{r['world_size']:>6}" + "".join(
             f"{r[k] / GB:>9.2f}" for k in ("params", "grads", "optim", "activations"))
-            + f"{r['transient'] / GB:>10.2f}{r['total'] / GB:>12.2f}{r['cpu_offload'] / GB:>8.2f}")
+            + f"{r['transient'] / GB:>10.2f}{r.get('reference', 0) / GB:>8.2f}{r['total'] / GB:>12.2f}"
+            + f"{r['cpu_offload'] / GB:>8.2f}")
     return "\n".join(lines)
 
 
