@@ -60,6 +60,16 @@ def _assert_close(got: dict[int, float], want: dict[int, float], steps: range) -
     assert max(diffs.values()) < LOSS_TOL, f"per-step loss differences vs one process: {diffs}"
 
 
+# Rank 0 counts its live tensor bytes (monitor.track_tensors, the figure a budget is held to on CPU) each step.
+MEASURED = {"memory.budget_gb": 1.0, "monitor.every_steps": 1}
+
+
+def _measured_peak(cfg, run_id: str) -> float:
+    from mlflow import MlflowClient
+
+    return max(m.value for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "memory/peak_bytes"))
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dist-work")  # one preset build shared by every scenario
@@ -81,7 +91,7 @@ def preempted_fsdp2(tmp_path_factory, work, reference):
     """FSDP2 + full gradient checkpointing on 2 ranks; rank 1 alone gets SIGTERM after step 5."""
     root = tmp_path_factory.mktemp("fsdp2")
     cfg = _cfg(root, work, **{"distributed.nproc_per_node": 2, "distributed.strategy": "fsdp2",
-                              "memory.policy": "full"})
+                              "memory.policy": "full", **MEASURED})
     mp = pytest.MonkeyPatch()
     mp.setenv("MEMFIT_TEST_RANK_FAULT", "sigterm:1:5")
     try:
@@ -116,10 +126,14 @@ def test_sharded_checkpoint_resumes_on_two_ranks(preempted_fsdp2, reference):
     cfg, _, _, _ = preempted_fsdp2
     resume = phases.recover_training_checkpoint(cfg)
     assert resume.step == 5 and not resume.finished
-    _, report = _train(cfg)
+    plan, report = _train(cfg)
     assert report.resumed_from == 5 and report.steps == STEPS and not report.preempted
     (run,) = _runs(cfg)  # the same MLflow run continued
     assert run.info.run_id == report.mlflow_run_id
+    # The plan is one rank's, against rank 0's live tensor peak. It under-counts FSDP2's own staging (all-gather
+    # copy-out, reduce-scatter input), a large share of a model this small: 0.87 here (every block checkpointed),
+    # 0.955 with none, 2026-12-07.
+    assert 0.8 < plan.predicted_peak_bytes / _measured_peak(cfg, report.mlflow_run_id) < 1.1
     _assert_close(_losses(cfg, report.mlflow_run_id), reference, range(1, STEPS + 1))
 
 
@@ -137,7 +151,7 @@ def test_sharded_checkpoint_resumes_in_one_process(preempted_fsdp2, reference, w
 def test_ddp_on_s3_rank_crash_fails_loudly_and_rerun_resumes(tmp_path, work, reference, s3_bucket):
     _, bucket = s3_bucket
     cfg = _cfg(tmp_path, work, **{"distributed.nproc_per_node": 2, "distributed.strategy": "ddp",
-                                  "checkpoint.uri": f"s3://{bucket}/runs/ddp"})
+                                  "checkpoint.uri": f"s3://{bucket}/runs/ddp", **MEASURED})
     mp = pytest.MonkeyPatch()
     mp.setenv("MEMFIT_TEST_RANK_FAULT", "crash:1:6")
     try:
@@ -154,6 +168,9 @@ def test_ddp_on_s3_rank_crash_fails_loudly_and_rerun_resumes(tmp_path, work, ref
     assert report.last_checkpoint_uri == f"s3://{bucket}/runs/ddp/step-{STEPS:08d}"
     (run,) = _runs(cfg)
     _assert_close(_losses(cfg, run.info.run_id), reference, range(1, STEPS + 1))
+    # Each rank holds its half of every micro-batch and DDP's gradient buckets: the plan's peak is rank 0's live
+    # tensor peak (1.000 measured 2026-12-07; planned as one whole process it read 1.48).
+    assert plan.predicted_peak_bytes == pytest.approx(_measured_peak(cfg, run.info.run_id), rel=0.02)
 
 
 def test_spot_rebalance_saves_and_interruption_stops_every_rank(tmp_path, work):

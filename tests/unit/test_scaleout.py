@@ -134,12 +134,12 @@ def test_auto_strategy_is_ddp_when_a_replica_fits_else_fsdp2():
 
     cfg = _cfg("distributed.nproc_per_node=2")
     roomy = plan_distributed(cfg, _probe(20_000, 10**9), _plan())
-    assert roomy.strategy == "ddp" and roomy.world_size == 2 and roomy.sharding["total"] == 16_000 + 4000
-    # 4 + 4 + 8 kB of state, 4 kB of activations: a replica needs 20 kB; sharded, 2 + 2 + 4 + 4 kB plus
-    # 6 kB of gathered blocks (2 blocks of 2 kB + one block's gradients).
-    tight = plan_distributed(cfg, _probe(20_000, 19_000), _plan())
-    assert tight.strategy == "fsdp2" and tight.sharding["params"] == 2000 and tight.sharding["total"] == 18_000
-    assert "over the 19.00 kB budget" in tight.reason and tight.reason.endswith("fsdp2")
+    assert roomy.strategy == "ddp" and roomy.world_size == 2 and roomy.sharding["total"] == 16_000 + 4000 + 4000
+    # 4 + 4 + 8 kB of state, 4 kB of activations, 4 kB of DDP buckets: a replica needs 24 kB; sharded, 2 + 2 + 4 +
+    # 4 kB plus 8 kB of gathered blocks (3 blocks of 2 kB, the last kept after forward, + one block's gradients).
+    tight = plan_distributed(cfg, _probe(20_000, 21_000), _plan())
+    assert tight.strategy == "fsdp2" and tight.sharding["params"] == 2000 and tight.sharding["total"] == 20_000
+    assert "over the 21.00 kB budget" in tight.reason and tight.reason.endswith("fsdp2")
     one = plan_distributed(_cfg(), _probe(20_000, None), _plan())
     assert one.strategy == "single" and one.world_size == 1
 
@@ -155,26 +155,26 @@ def _dpo(monkeypatch, *overrides: str, passes: float | None = 0.5):
 def test_auto_strategy_counts_dpos_reference_copy_on_a_replica_and_shards_when_it_does_not_fit(monkeypatch):
     from memfit.distributed.planning import plan_distributed
 
-    # 4 + 4 + 8 kB of state and 4 kB of activations: an SFT replica needs 20 kB and fits 22 kB.
-    assert plan_distributed(_cfg("distributed.nproc_per_node=2"), _probe(20_000, 22_000), _plan()).strategy == "ddp"
-    # Full fine-tuning DPO below one pass over its pairs keeps a frozen copy (4 kB more) on every replica: 24 kB.
+    # 4 + 4 + 8 kB of state, 4 kB of activations and 4 kB of buckets: an SFT replica needs 24 kB and fits 26 kB.
+    assert plan_distributed(_cfg("distributed.nproc_per_node=2"), _probe(20_000, 26_000), _plan()).strategy == "ddp"
+    # Full fine-tuning DPO below one pass over its pairs keeps a frozen copy (4 kB more) on every replica: 28 kB.
     roomy = plan_distributed(_dpo(monkeypatch), _probe(20_000, 10**9), _plan())
-    assert roomy.strategy == "ddp" and roomy.sharding["reference"] == 4000 and roomy.sharding["total"] == 24_000
-    tight = plan_distributed(_dpo(monkeypatch), _probe(20_000, 22_000), _plan())
+    assert roomy.strategy == "ddp" and roomy.sharding["reference"] == 4000 and roomy.sharding["total"] == 28_000
+    tight = plan_distributed(_dpo(monkeypatch), _probe(20_000, 26_000), _plan())
     assert tight.strategy == "fsdp2", tight.reason
-    # FSDP2 splits the weights, so the ranks precompute the reference instead: no copy, 18 kB.
-    assert tight.sharding["reference"] == 0 and tight.sharding["total"] == 18_000
+    # FSDP2 splits the weights, so the ranks precompute the reference instead: no copy, 20 kB.
+    assert tight.sharding["reference"] == 0 and tight.sharding["total"] == 20_000
     assert "DPO reference copy's 4.00 kB" in tight.reason and "precomputed" in tight.reason
     # Over one pass, auto precomputes on any strategy: the replica is the SFT one again.
-    assert plan_distributed(_dpo(monkeypatch, passes=2.0), _probe(20_000, 22_000), _plan()).strategy == "ddp"
+    assert plan_distributed(_dpo(monkeypatch, passes=2.0), _probe(20_000, 26_000), _plan()).strategy == "ddp"
 
 
 def test_a_configured_reference_copy_keeps_a_replica_and_names_the_way_out(monkeypatch):
     from memfit.distributed.planning import plan_distributed
 
-    plan = plan_distributed(_dpo(monkeypatch, "dpo.reference=copy"), _probe(20_000, 22_000), _plan())
-    assert plan.strategy == "ddp" and plan.sharding["total"] == 24_000  # fsdp2 cannot hold a copy
-    assert "over the 22.00 kB budget" in plan.reason and "dpo.reference to precompute" in plan.reason
+    plan = plan_distributed(_dpo(monkeypatch, "dpo.reference=copy"), _probe(20_000, 26_000), _plan())
+    assert plan.strategy == "ddp" and plan.sharding["total"] == 28_000  # fsdp2 cannot hold a copy
+    assert "over the 26.00 kB budget" in plan.reason and "dpo.reference to precompute" in plan.reason
 
 
 def test_lora_dpo_ranks_count_the_adapters_as_trained_and_no_copy(monkeypatch):
@@ -182,9 +182,9 @@ def test_lora_dpo_ranks_count_the_adapters_as_trained_and_no_copy(monkeypatch):
 
     lora = _plan().model_copy(update={"lora": True, "trainable_params": 100, "weight_bytes": 4400})
     plan = plan_distributed(_dpo(monkeypatch, "distributed.strategy=ddp"), _probe(20_000, 10**9), lora)
-    s = plan.sharding  # the adapters' gradients and moments only; adapter_off is the reference: no copy
-    assert (s["params"], s["grads"], s["optim"], s["reference"]) == (4400, 400, 800, 0)
-    assert s["total"] == 4400 + 400 + 800 + 4000
+    s = plan.sharding  # the adapters' gradients, moments and buckets only; adapter_off is the reference: no copy
+    assert (s["params"], s["grads"], s["optim"], s["reference"], s["transient"]) == (4400, 400, 800, 0, 400)
+    assert s["total"] == 4400 + 400 + 800 + 4000 + 400
 
 
 def test_fp16_with_fsdp2_is_refused_with_the_alternative():

@@ -29,7 +29,8 @@ def test_llama3_8b_on_8_gpus_fsdp_shards_params_grads_and_optimizer():
     acts = int(6e9)
     fsdp = per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "fsdp2", 8, block_bytes=4 * block)
     assert fsdp["params"] == math.ceil(4 * n / 8) and fsdp["optim"] == math.ceil(8 * n / 8)
-    assert fsdp["transient"] == 3 * 4 * block  # two gathered blocks + one block's full gradients
+    # two gathered blocks, the last one kept gathered after forward, and one block's full gradients
+    assert fsdp["transient"] == 4 * 4 * block
     assert fsdp["total"] == fsdp["params"] + fsdp["grads"] + fsdp["optim"] + acts + fsdp["transient"]
     assert 24 * GB < fsdp["total"] < 26 * GB  # ~16 GB of sharded state + activations + ~2.6 GB gathered
     ddp = per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "ddp", 8)
@@ -86,9 +87,9 @@ def _estimate(moments, kinds=("none", "none")):
     from memfit.memory.estimator.compose import Estimate, Stack
 
     peak = max(moments, key=lambda v: sum(v.values()))
-    return Estimate(stack=Stack("fp32", 4, 1, False), kinds=kinds, policy="none", every_k=None, peak_bytes=sum(peak.values()),
-                    breakdown=dict(peak), activation_bytes=0, peak_at="optimizer step", step_seconds=1.0, host_bytes=0,
-                    weight_bytes=100, n_params=25, n_trainable=25, moments=moments)
+    return Estimate(stack=Stack("fp32", 4, 1, False), kinds=kinds, policy="none", every_k=None,
+                    peak_bytes=sum(peak.values()), breakdown=dict(peak), activation_bytes=0, peak_at="optimizer step",
+                    step_seconds=1.0, host_bytes=0, weight_bytes=100, n_params=25, n_trainable=25, moments=moments)
 
 
 def test_a_rank_peaks_where_its_share_does_not_where_one_process_does():
@@ -100,16 +101,17 @@ def test_a_rank_peaks_where_its_share_does_not_where_one_process_does():
     forward = {"params": 100, "grads": 0, "optimizer": 200, "activations": 150, "other": 0}
     e = _estimate([forward, step], kinds=("none",) * 4)
     ddp = rank_share(e, strategy="ddp", world_size=4, limit=None)
-    assert ddp.peak_bytes == 500 and ddp.breakdown == step  # a replica: the process's own peak
+    # A replica: the process's own peak, and DDP's gradient-sized buckets (100 B) beside it.
+    assert ddp.peak_bytes == 600 and ddp.breakdown == dict(step, other=200)
     fsdp = rank_share(e, strategy="fsdp2", world_size=4, limit=None)
-    # At the step: 25 + 50 + 50 + two gathered 25 B blocks and one block's 50 B of gradients = 225 B. At the
-    # forward's end: 25 + 0 + 50 + 150 + the two blocks = 275 B: that is the rank's peak.
-    assert fsdp.peak_bytes == 275 and fsdp.breakdown["activations"] == 150
+    # At the step: 25 + 50 + 50 + three gathered 25 B blocks and one block's 50 B of gradients = 250 B. At the
+    # forward's end: 25 + 0 + 50 + 150 + the three blocks = 300 B: that is the rank's peak.
+    assert fsdp.peak_bytes == 300 and fsdp.breakdown["activations"] == 150
     assert fsdp.extra["ranks"]["strategy"] == "fsdp2" and fsdp.moments == []
     # auto: ddp within the limit, else fsdp2; the stack keeps the global micro-batch it was asked about
-    assert rank_share(e, strategy="auto", world_size=4, limit=500).extra["ranks"]["strategy"] == "ddp"
-    auto = rank_share(e, strategy="auto", world_size=4, limit=499)
-    assert auto.extra["ranks"]["strategy"] == "fsdp2" and auto.peak_bytes == 275
+    assert rank_share(e, strategy="auto", world_size=4, limit=600).extra["ranks"]["strategy"] == "ddp"
+    auto = rank_share(e, strategy="auto", world_size=4, limit=599)
+    assert auto.extra["ranks"]["strategy"] == "fsdp2" and auto.peak_bytes == 300
     assert auto.stack.micro_batch_size == 4
 
 

@@ -7,10 +7,17 @@
 #
 # | strategy        | params | grads | optimizer state | transient per rank                          |
 # |-----------------|--------|-------|-----------------|---------------------------------------------|
-# | single, ddp     | full   | full  | full            | none (DDP uses gradient_as_bucket_view)     |
+# | single          | full   | full  | full            | none                                        |
+# | ddp             | full   | full  | full            | the reducer's gradient-sized buckets        |
 # | deepspeed_zero2 | full   | / N   | / N             | none                                        |
-# | fsdp2           | / N    | / N   | / N             | all-gathered block params (this one and the |
+# | fsdp2           | / N    | / N   | / N             | all-gathered block params (this one, the    |
 # | deepspeed_zero3 | / N    | / N   | / N             | prefetched next) + that block's full grads  |
+#
+# DDP's buckets (gradient_as_bucket_view) are allocated once and stay; after zero_grad(set_to_none) the next
+# backward's gradients are fresh tensors beside them until DDP points them into the buckets (with accumulation,
+# for every micro-batch but the last): measured on two CPU ranks, a rank held one gradient's size more than one
+# process at its peak. FSDP2 keeps the last block gathered after forward (distributed/strategies.py), a third
+# block's parameters.
 #
 # `offload_optimizer` (DeepSpeed only) moves the optimizer state to CPU memory: it leaves the device total
 # and is reported as `cpu_offload`. Activations are never divided: each rank holds the activations of its
@@ -40,13 +47,15 @@ class ShardingRule:
     grads: bool
     optim: bool
     gathers_blocks: bool  # parameters are all-gathered one block at a time (fully sharded)
+    kept_blocks: int = 0  # blocks left gathered after forward (memfit's FSDP2: the last one, backward's first)
+    buckets: bool = False  # DDP's gradient-sized reducer buckets beside the gradients
 
 
 RULES: dict[str, ShardingRule] = {
     "single": ShardingRule(params=False, grads=False, optim=False, gathers_blocks=False),
-    "ddp": ShardingRule(params=False, grads=False, optim=False, gathers_blocks=False),
+    "ddp": ShardingRule(params=False, grads=False, optim=False, gathers_blocks=False, buckets=True),
     "deepspeed_zero2": ShardingRule(params=False, grads=True, optim=True, gathers_blocks=False),
-    "fsdp2": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True),
+    "fsdp2": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True, kept_blocks=1),
     "deepspeed_zero3": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True),
 }
 
@@ -72,7 +81,8 @@ def _shard(nbytes: int, divide: bool, world_size: int) -> int:
 
 
 def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strategy: str, world_size: int, *,
-                   block_bytes: int = 0, offload_optimizer: bool = False, reference_bytes: int = 0) -> dict[str, Any]:
+                   block_bytes: int = 0, offload_optimizer: bool = False, reference_bytes: int = 0,
+                   bucket_bytes: int = 0) -> dict[str, Any]:
     """Bytes ONE rank needs for the training state under `strategy` on `world_size` ranks.
 
     params / grads / optim: what a single process holds for the whole model (e.g. fp32 AdamW: 4, 4 and
@@ -81,8 +91,8 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
     largest decoder block (fully sharded strategies all-gather two at a time and hold one block's full
     gradients before the reduce-scatter; 0 leaves this transient out). reference_bytes: a DPO reference copy's
     weights, held whole where the strategy keeps a whole replica and not at all where it splits the
-    parameters (precomputed there). Returns the parts, their `total` on the device, `cpu_offload` bytes, and
-    which parts are `sharded`.
+    parameters (precomputed there). bucket_bytes: the trained parameters' gradient bytes, DDP's buckets. Returns
+    the parts, their `total` on the device, `cpu_offload` bytes, and which parts are `sharded`.
     """
     if strategy not in RULES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -93,7 +103,8 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
     if offload_optimizer and not strategy.startswith("deepspeed"):
         raise ValueError(f"offload_optimizer is a DeepSpeed (ZeRO-Offload) feature, not available with {strategy}")
     for name, value in (("params", params), ("grads", grads), ("optim", optim), ("activations", activations),
-                        ("block_bytes", block_bytes), ("reference_bytes", reference_bytes)):
+                        ("block_bytes", block_bytes), ("reference_bytes", reference_bytes),
+                        ("bucket_bytes", bucket_bytes)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0 bytes (got {value})")
     rule = RULES[strategy]
@@ -106,8 +117,11 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
     transient = 0
     if rule.gathers_blocks and world_size > 1 and block_bytes:
         grad_per_param = grads / params if params else 1.0
-        # Two unsharded blocks (the one computing, the next prefetched) + the full grads of one block.
-        transient = 2 * int(block_bytes) + int(block_bytes * grad_per_param)
+        # Two unsharded blocks (the one computing, the next prefetched), any kept gathered after forward, and the
+        # full grads of one block.
+        transient = (2 + rule.kept_blocks) * int(block_bytes) + int(block_bytes * grad_per_param)
+    if rule.buckets and world_size > 1:
+        transient += int(bucket_bytes)
     reference = 0 if rule.params else int(reference_bytes)
     total = out_params + out_grads + out_optim + int(activations) + transient + reference
     return {
@@ -135,7 +149,7 @@ def training_state_bytes(n_trainable: int, precision: str, n_frozen: int = 0) ->
 
 def choose_strategy(params: int, grads: int, optim: int, activations: int, world_size: int,
                     budget_bytes: int | None, *, block_bytes: int = 0, reference_bytes: int = 0,
-                    reference_copy_set: bool = False) -> tuple[str, str, dict[str, Any]]:
+                    reference_copy_set: bool = False, bucket_bytes: int = 0) -> tuple[str, str, dict[str, Any]]:
     """`distributed.strategy=auto`: (strategy, why, its per-rank bytes).
 
     ddp when a full replica fits the budget (fastest: one all-reduce, no gathers); otherwise fsdp2
@@ -147,7 +161,8 @@ def choose_strategy(params: int, grads: int, optim: int, activations: int, world
     if world_size == 1:
         est = per_rank_bytes(params, grads, optim, activations, "single", 1, reference_bytes=reference_bytes)
         return "single", "one process: nothing to divide", est
-    ddp = per_rank_bytes(params, grads, optim, activations, "ddp", world_size, reference_bytes=reference_bytes)
+    ddp = per_rank_bytes(params, grads, optim, activations, "ddp", world_size, reference_bytes=reference_bytes,
+                         bucket_bytes=bucket_bytes)
     fsdp = per_rank_bytes(params, grads, optim, activations, "fsdp2", world_size, block_bytes=block_bytes,
                           reference_bytes=reference_bytes)
     return strategy_between(ddp, fsdp, budget_bytes, reference_bytes, reference_copy_set)
@@ -192,22 +207,12 @@ def rank_peak(moments: list[Mapping[str, int]], strategy: str, world_size: int, 
               reference_bytes: int = 0, offload_optimizer: bool = False) -> dict[str, Any]:
     """Pure: one rank's per_rank_bytes row at the moment of the step where it peaks. Sharding shrinks the state,
     not the activations, so that moment need not be where one process peaks (`moments`: every moment's bytes by
-    category, none of them holding the reference copy)."""
-    rule = RULES[strategy]
-    best, best_total = None, -1
-    for vec in moments:
-        p, g, o, a = rank_parts(vec)
-        # per_rank_bytes' total, unrolled: this runs for every moment of every candidate the planner weighs
-        grad_per_param = g / p if p else 1.0
-        block = p // max(1, n_blocks)
-        transient = 2 * block + int(block * grad_per_param) if rule.gathers_blocks and world_size > 1 else 0
-        held = (_shard(p, rule.params, world_size) + _shard(g, rule.grads, world_size) + a + transient
-                + (0 if offload_optimizer else _shard(o, rule.optim, world_size)))
-        if held > best_total:
-            best, best_total = (p, g, o, a), held
-    assert best is not None
-    return per_rank_bytes(*best, strategy, world_size, block_bytes=best[0] // max(1, n_blocks),
-                          reference_bytes=reference_bytes, offload_optimizer=offload_optimizer)
+    category, none of them holding the reference copy). DDP's buckets are the gradients' size: their largest."""
+    buckets = max(int(v.get("grads", 0)) for v in moments)
+    rows = (per_rank_bytes(*parts, strategy, world_size, block_bytes=parts[0] // max(1, n_blocks),
+                           reference_bytes=reference_bytes, offload_optimizer=offload_optimizer, bucket_bytes=buckets)
+            for parts in {rank_parts(v) for v in moments})  # moments alike in every part are weighed once
+    return max(rows, key=lambda row: row["total"])
 
 
 def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | None, offload_optimizer: bool = False,
@@ -229,8 +234,8 @@ def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | No
     rows[strategy] = row
     breakdown = {"params": row["params"], "grads": row["grads"], "optimizer": row["optim"],
                  "activations": row["activations"], "other": row["transient"] + row["reference"]}
-    if not any(row["sharded"].values()):  # ddp: one process's step at a rank's rows, as traced
-        breakdown = dict(estimate.breakdown)
+    if not any(row["sharded"].values()):  # ddp: one process's step at a rank's rows, as traced, and the buckets
+        breakdown = dict(estimate.breakdown, other=estimate.breakdown["other"] + row["transient"])
     ranks = {"strategy": strategy, "why": why, "world_size": world_size, "reference_bytes": ref,
              "limit_bytes": limit, "rows": rows}
     return replace(estimate, peak_bytes=row["total"], breakdown=breakdown, moments=[],
