@@ -130,10 +130,10 @@ def test_sharded_checkpoint_resumes_on_two_ranks(preempted_fsdp2, reference):
     assert report.resumed_from == 5 and report.steps == STEPS and not report.preempted
     (run,) = _runs(cfg)  # the same MLflow run continued
     assert run.info.run_id == report.mlflow_run_id
-    # The plan is one rank's, against rank 0's live tensor peak. It under-counts FSDP2's own staging (all-gather
-    # copy-out, reduce-scatter input), a large share of a model this small: 0.87 here (every block checkpointed),
-    # 0.955 with none, 2026-12-07.
-    assert 0.8 < plan.predicted_peak_bytes / _measured_peak(cfg, report.mlflow_run_id) < 1.1
+    # The plan is one rank's, against rank 0's live tensor peak (FSDP2's gathered blocks and staging buffers
+    # counted): 0.913 here with every block checkpointed, 0.996 with none, 2026-12-07.
+    ratio = plan.predicted_peak_bytes / _measured_peak(cfg, report.mlflow_run_id)
+    assert 0.88 < ratio < 1.1, ratio
     _assert_close(_losses(cfg, report.mlflow_run_id), reference, range(1, STEPS + 1))
 
 

@@ -132,13 +132,14 @@ def _plan():
 def test_auto_strategy_is_ddp_when_a_replica_fits_else_fsdp2():
     from memfit.distributed.planning import plan_distributed
 
-    cfg = _cfg("distributed.nproc_per_node=2")
+    cfg = _cfg("distributed.nproc_per_node=2", "model.num_layers=8")
     roomy = plan_distributed(cfg, _probe(20_000, 10**9), _plan())
     assert roomy.strategy == "ddp" and roomy.world_size == 2 and roomy.sharding["total"] == 16_000 + 4000 + 4000
-    # 4 + 4 + 8 kB of state, 4 kB of activations, 4 kB of DDP buckets: a replica needs 24 kB; sharded, 2 + 2 + 4 +
-    # 4 kB plus 8 kB of gathered blocks (3 blocks of 2 kB, the last kept after forward, + one block's gradients).
+    # 4 + 4 + 8 kB of state, 4 kB of activations, 4 kB of DDP buckets: a replica needs 24 kB. Sharded: 2 + 2 + 4 +
+    # 4 kB, plus four 0.5 kB blocks of weights (computing, prefetched, the last kept after forward, the all-gather's
+    # staging) and two of gradients (unsharded, and the reduce-scatter's input): 15 kB.
     tight = plan_distributed(cfg, _probe(20_000, 21_000), _plan())
-    assert tight.strategy == "fsdp2" and tight.sharding["params"] == 2000 and tight.sharding["total"] == 20_000
+    assert tight.strategy == "fsdp2" and tight.sharding["params"] == 2000 and tight.sharding["total"] == 15_000
     assert "over the 21.00 kB budget" in tight.reason and tight.reason.endswith("fsdp2")
     one = plan_distributed(_cfg(), _probe(20_000, None), _plan())
     assert one.strategy == "single" and one.world_size == 1
@@ -149,7 +150,8 @@ def _dpo(monkeypatch, *overrides: str, passes: float | None = 0.5):
     import memfit.memory.planner.pair_length as pair_length
 
     monkeypatch.setattr(pair_length, "planned_coverage", lambda cfg: passes)
-    return config.load(REPO / "configs" / "dpo-tiny.yaml", ["distributed.nproc_per_node=2", *overrides])
+    return config.load(REPO / "configs" / "dpo-tiny.yaml", ["distributed.nproc_per_node=2", "model.num_layers=8",
+                                                             *overrides])
 
 
 def test_auto_strategy_counts_dpos_reference_copy_on_a_replica_and_shards_when_it_does_not_fit(monkeypatch):
@@ -162,8 +164,8 @@ def test_auto_strategy_counts_dpos_reference_copy_on_a_replica_and_shards_when_i
     assert roomy.strategy == "ddp" and roomy.sharding["reference"] == 4000 and roomy.sharding["total"] == 28_000
     tight = plan_distributed(_dpo(monkeypatch), _probe(20_000, 26_000), _plan())
     assert tight.strategy == "fsdp2", tight.reason
-    # FSDP2 splits the weights, so the ranks precompute the reference instead: no copy, 20 kB.
-    assert tight.sharding["reference"] == 0 and tight.sharding["total"] == 20_000
+    # FSDP2 splits the weights, so the ranks precompute the reference instead: no copy, 15 kB.
+    assert tight.sharding["reference"] == 0 and tight.sharding["total"] == 15_000
     assert "DPO reference copy's 4.00 kB" in tight.reason and "precomputed" in tight.reason
     # Over one pass, auto precomputes on any strategy: the replica is the SFT one again.
     assert plan_distributed(_dpo(monkeypatch, passes=2.0), _probe(20_000, 26_000), _plan()).strategy == "ddp"

@@ -29,10 +29,11 @@ def test_llama3_8b_on_8_gpus_fsdp_shards_params_grads_and_optimizer():
     acts = int(6e9)
     fsdp = per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "fsdp2", 8, block_bytes=4 * block)
     assert fsdp["params"] == math.ceil(4 * n / 8) and fsdp["optim"] == math.ceil(8 * n / 8)
-    # two gathered blocks, the last one kept gathered after forward, and one block's full gradients
-    assert fsdp["transient"] == 4 * 4 * block
+    # Two gathered blocks, the last one kept gathered after forward and the all-gather's staging; one block's full
+    # gradients and the reduce-scatter's input.
+    assert fsdp["transient"] == 4 * 4 * block + 2 * 4 * block
     assert fsdp["total"] == fsdp["params"] + fsdp["grads"] + fsdp["optim"] + acts + fsdp["transient"]
-    assert 24 * GB < fsdp["total"] < 26 * GB  # ~16 GB of sharded state + activations + ~2.6 GB gathered
+    assert 27 * GB < fsdp["total"] < 28 * GB  # ~16 GB of sharded state + 6 GB of activations + ~5.2 GB gathered
     ddp = per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "ddp", 8)
     assert ddp["total"] == 16 * n + acts  # every GPU holds everything: ~134 GB, more than an 80 GB H100
     zero2 = per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "deepspeed_zero2", 8)
@@ -83,11 +84,11 @@ def test_a_dpo_reference_copy_is_whole_on_replicas_and_absent_where_weights_are_
     assert strategy == "ddp" and est["total"] == 4100 and "deepspeed_zero2" in why
 
 
-def _estimate(moments, kinds=("none", "none")):
+def _estimate(moments, kinds=("none", "none"), precision="fp32"):
     from memfit.memory.estimator.compose import Estimate, Stack
 
     peak = max(moments, key=lambda v: sum(v.values()))
-    return Estimate(stack=Stack("fp32", 4, 1, False), kinds=kinds, policy="none", every_k=None,
+    return Estimate(stack=Stack(precision, 4, 1, False), kinds=kinds, policy="none", every_k=None,
                     peak_bytes=sum(peak.values()), breakdown=dict(peak), activation_bytes=0, peak_at="optimizer step",
                     step_seconds=1.0, host_bytes=0, weight_bytes=100, n_params=25, n_trainable=25, moments=moments)
 
@@ -104,15 +105,19 @@ def test_a_rank_peaks_where_its_share_does_not_where_one_process_does():
     # A replica: the process's own peak, and DDP's gradient-sized buckets (100 B) beside it.
     assert ddp.peak_bytes == 600 and ddp.breakdown == dict(step, other=200)
     fsdp = rank_share(e, strategy="fsdp2", world_size=4, limit=None)
-    # At the step: 25 + 50 + 50 + three gathered 25 B blocks and one block's 50 B of gradients = 250 B. At the
-    # forward's end: 25 + 0 + 50 + 150 + the three blocks = 300 B: that is the rank's peak.
-    assert fsdp.peak_bytes == 300 and fsdp.breakdown["activations"] == 150
+    # FSDP2's gathered and staged blocks: four of 25 B weights, two of 25 B gradients (150 B). At the step: 25 + 50
+    # + 50 + 150 = 275 B. At the forward's end: 25 + 0 + 50 + 150 + 150 = 375 B: that is the rank's peak.
+    assert fsdp.peak_bytes == 375 and fsdp.breakdown["activations"] == 150
     assert fsdp.extra["ranks"]["strategy"] == "fsdp2" and fsdp.moments == []
     # auto: ddp within the limit, else fsdp2; the stack keeps the global micro-batch it was asked about
     assert rank_share(e, strategy="auto", world_size=4, limit=600).extra["ranks"]["strategy"] == "ddp"
     auto = rank_share(e, strategy="auto", world_size=4, limit=599)
-    assert auto.extra["ranks"]["strategy"] == "fsdp2" and auto.peak_bytes == 300
+    assert auto.extra["ranks"]["strategy"] == "fsdp2" and auto.peak_bytes == 375
     assert auto.stack.micro_batch_size == 4
+    # bf16-mixed: FSDP2 gathers the weights in bf16 (its MixedPrecisionPolicy): four 12 B blocks, gradients in fp32.
+    bf16 = rank_share(_estimate([forward, step], ("none",) * 4, "bf16-mixed"), strategy="fsdp2", world_size=4,
+                      limit=None)
+    assert bf16.peak_bytes == 25 + 50 + 150 + 4 * 12 + 2 * 25
 
 
 @pytest.mark.parametrize("kwargs, match", [

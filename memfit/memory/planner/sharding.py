@@ -17,7 +17,9 @@
 # backward's gradients are fresh tensors beside them until DDP points them into the buckets (with accumulation,
 # for every micro-batch but the last): measured on two CPU ranks, a rank held one gradient's size more than one
 # process at its peak. FSDP2 keeps the last block gathered after forward (distributed/strategies.py), a third
-# block's parameters.
+# block's parameters, and stages its collectives in flat buffers of a block each (torch's _fsdp_collectives):
+# the all-gather's output beside the parameters it is copied out to, and the reduce-scatter's input, which holds
+# one block's gradients until the next block's is issued, beside the block's unsharded gradients.
 #
 # `offload_optimizer` (DeepSpeed only) moves the optimizer state to CPU memory: it leaves the device total
 # and is reported as `cpu_offload`. Activations are never divided: each rank holds the activations of its
@@ -48,6 +50,7 @@ class ShardingRule:
     optim: bool
     gathers_blocks: bool  # parameters are all-gathered one block at a time (fully sharded)
     kept_blocks: int = 0  # blocks left gathered after forward (memfit's FSDP2: the last one, backward's first)
+    staged: bool = False  # FSDP2's flat all-gather output and reduce-scatter input, a block each
     buckets: bool = False  # DDP's gradient-sized reducer buckets beside the gradients
 
 
@@ -55,7 +58,7 @@ RULES: dict[str, ShardingRule] = {
     "single": ShardingRule(params=False, grads=False, optim=False, gathers_blocks=False),
     "ddp": ShardingRule(params=False, grads=False, optim=False, gathers_blocks=False, buckets=True),
     "deepspeed_zero2": ShardingRule(params=False, grads=True, optim=True, gathers_blocks=False),
-    "fsdp2": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True, kept_blocks=1),
+    "fsdp2": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True, kept_blocks=1, staged=True),
     "deepspeed_zero3": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True),
 }
 
@@ -82,7 +85,8 @@ def _shard(nbytes: int, divide: bool, world_size: int) -> int:
 
 def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strategy: str, world_size: int, *,
                    block_bytes: int = 0, offload_optimizer: bool = False, reference_bytes: int = 0,
-                   bucket_bytes: int = 0) -> dict[str, Any]:
+                   bucket_bytes: int = 0, block_grad_bytes: int | None = None,
+                   gathered_block_bytes: int | None = None) -> dict[str, Any]:
     """Bytes ONE rank needs for the training state under `strategy` on `world_size` ranks.
 
     params / grads / optim: what a single process holds for the whole model (e.g. fp32 AdamW: 4, 4 and
@@ -91,7 +95,10 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
     largest decoder block (fully sharded strategies all-gather two at a time and hold one block's full
     gradients before the reduce-scatter; 0 leaves this transient out). reference_bytes: a DPO reference copy's
     weights, held whole where the strategy keeps a whole replica and not at all where it splits the
-    parameters (precomputed there). bucket_bytes: the trained parameters' gradient bytes, DDP's buckets. Returns
+    parameters (precomputed there). bucket_bytes: the trained parameters' gradient bytes, DDP's buckets.
+    block_grad_bytes: one block's gradients (default: block_bytes scaled as `grads` is to `params`).
+    gathered_block_bytes: one block's weights as gathered (default block_bytes; FSDP2 with bf16-mixed gathers them
+    in bf16). Returns
     the parts, their `total` on the device, `cpu_offload` bytes, and which parts are `sharded`.
     """
     if strategy not in RULES:
@@ -116,10 +123,13 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
         cpu, out_optim = out_optim, 0
     transient = 0
     if rule.gathers_blocks and world_size > 1 and block_bytes:
-        grad_per_param = grads / params if params else 1.0
         # Two unsharded blocks (the one computing, the next prefetched), any kept gathered after forward, and the
-        # full grads of one block.
-        transient = (2 + rule.kept_blocks) * int(block_bytes) + int(block_bytes * grad_per_param)
+        # full grads of one block; FSDP2's staging buffers, one more block of each.
+        blocks = 2 + rule.kept_blocks + rule.staged
+        if block_grad_bytes is None:
+            block_grad_bytes = int(block_bytes * (grads / params if params else 1.0))
+        gathered = block_bytes if gathered_block_bytes is None else gathered_block_bytes
+        transient = blocks * int(gathered) + (1 + rule.staged) * int(block_grad_bytes)
     if rule.buckets and world_size > 1:
         transient += int(bucket_bytes)
     reference = 0 if rule.params else int(reference_bytes)
@@ -204,13 +214,17 @@ def rank_parts(breakdown: Mapping[str, int], reference_bytes: int = 0) -> tuple[
 
 
 def rank_peak(moments: list[Mapping[str, int]], strategy: str, world_size: int, n_blocks: int,
-              reference_bytes: int = 0, offload_optimizer: bool = False) -> dict[str, Any]:
+              reference_bytes: int = 0, offload_optimizer: bool = False, precision: str = "fp32") -> dict[str, Any]:
     """Pure: one rank's per_rank_bytes row at the moment of the step where it peaks. Sharding shrinks the state,
     not the activations, so that moment need not be where one process peaks (`moments`: every moment's bytes by
-    category, none of them holding the reference copy). DDP's buckets are the gradients' size: their largest."""
-    buckets = max(int(v.get("grads", 0)) for v in moments)
-    rows = (per_rank_bytes(*parts, strategy, world_size, block_bytes=parts[0] // max(1, n_blocks),
-                           reference_bytes=reference_bytes, offload_optimizer=offload_optimizer, bucket_bytes=buckets)
+    category, none of them holding the reference copy). DDP's buckets are the gradients' size: their largest.
+    FSDP2 gathers bf16-mixed weights in bf16 (distributed/strategies.py's MixedPrecisionPolicy): half their bytes."""
+    buckets = max(int(v.get("grads", 0)) for v in moments)  # every gradient, as at the optimizer step
+    n = max(1, n_blocks)
+    half = strategy == "fsdp2" and precision == "bf16-mixed"
+    rows = (per_rank_bytes(*parts, strategy, world_size, block_bytes=parts[0] // n, reference_bytes=reference_bytes,
+                           offload_optimizer=offload_optimizer, bucket_bytes=buckets, block_grad_bytes=buckets // n,
+                           gathered_block_bytes=parts[0] // n // 2 if half else None)
             for parts in {rank_parts(v) for v in moments})  # moments alike in every part are weighed once
     return max(rows, key=lambda row: row["total"])
 
@@ -224,12 +238,14 @@ def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | No
     ref = int(estimate.extra.get("reference_bytes") or 0)
     moments = estimate.moments or [dict(estimate.breakdown, other=estimate.breakdown["other"] - ref)]
     n_blocks = len(estimate.kinds)
-    rows = {s: rank_peak(moments, s, world_size, n_blocks, ref) for s in STRATEGIES if s != "single"}
+    precision = estimate.stack.precision
+    rows = {s: rank_peak(moments, s, world_size, n_blocks, ref, precision=precision)
+            for s in STRATEGIES if s != "single"}
     if strategy == "auto":
         strategy, why, row = strategy_between(rows["ddp"], rows["fsdp2"], limit, ref, reference_copy_set)
     else:
-        row = rank_peak(moments, strategy, world_size, n_blocks, ref, offload_optimizer) if offload_optimizer \
-            else rows[strategy]
+        row = rows[strategy] if not offload_optimizer else \
+            rank_peak(moments, strategy, world_size, n_blocks, ref, offload_optimizer, precision)
         why = f"distributed.strategy={strategy} set in the config ({human(row['total'])} per rank estimated)"
     rows[strategy] = row
     breakdown = {"params": row["params"], "grads": row["grads"], "optimizer": row["optim"],
