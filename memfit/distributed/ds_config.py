@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.errors import ConfigError
+from memfit.memory.planner.sharding import bucket_elements
 
 INSTALL_HINT = ("DeepSpeed is not installed: pip install 'memfit[deepspeed]' (on a machine without CUDA "
                 "build tools: DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed), or choose "
@@ -22,7 +23,8 @@ def import_deepspeed() -> Any:
 
 def deepspeed_config(*, stage: int, world_size: int, batch_size: int, grad_accum_steps: int, precision: str,
                      max_grad_norm: float | None, lr: float, weight_decay: float, policy: str,
-                     num_layers: int, offload_optimizer: bool = False) -> dict[str, Any]:
+                     num_layers: int, offload_optimizer: bool = False,
+                     hidden_size: int | None = None) -> dict[str, Any]:
     """The DeepSpeed config for one run: batch split, accumulation, precision, ZeRO stage, clipping.
 
     train.batch_size is the global batch, as everywhere in memfit: DeepSpeed checks
@@ -49,6 +51,11 @@ def deepspeed_config(*, stage: int, world_size: int, batch_size: int, grad_accum
         "reduce_scatter": True,
         "allgather_partitions": True,
     }
+    if hidden_size:  # buckets sized to the model (the plan counts them: planner/sharding.py)
+        buckets = bucket_elements(hidden_size)
+        zero.update({"reduce_bucket_size": buckets, "allgather_bucket_size": buckets} if stage == 2 else
+                    {"reduce_bucket_size": buckets, "stage3_prefetch_bucket_size": int(0.9 * buckets),
+                     "stage3_param_persistence_threshold": 10 * int(hidden_size)})
     if stage == 3:
         # Export needs whole 16-bit weights on rank 0 (gathered at save time).
         zero["stage3_gather_16bit_weights_on_model_save"] = True
@@ -82,7 +89,7 @@ def deepspeed_config(*, stage: int, world_size: int, batch_size: int, grad_accum
     return config
 
 
-def config_for(cfg: Any, plan: Any, num_layers: int) -> dict[str, Any]:
+def config_for(cfg: Any, plan: Any, num_layers: int, hidden_size: int | None = None) -> dict[str, Any]:
     """deepspeed_config from a MemfitConfig and a PlanReport (strategy deepspeed_zero2 / deepspeed_zero3)."""
     stage = {"deepspeed_zero2": 2, "deepspeed_zero3": 3}.get(plan.strategy)
     if stage is None:
@@ -92,4 +99,4 @@ def config_for(cfg: Any, plan: Any, num_layers: int) -> dict[str, Any]:
                             grad_accum_steps=plan.grad_accum_steps, precision=plan.precision,
                             max_grad_norm=t.max_grad_norm, lr=t.lr, weight_decay=t.weight_decay,
                             policy=plan.policy, num_layers=num_layers,
-                            offload_optimizer=cfg.distributed.offload_optimizer)
+                            offload_optimizer=cfg.distributed.offload_optimizer, hidden_size=hidden_size)

@@ -67,14 +67,14 @@ def plan_distributed(cfg: MemfitConfig, probe: ProbeReport, plan: PlanReport) ->
         copy_set = cfg.train.objective == "dpo" and cfg.dpo.reference == "copy"
         strategy, why, est = choose_strategy(s["params"], s["grads"], s["optim"], s["activations"], world, budget,
                                              block_bytes=s["block_bytes"], reference_bytes=ref,
-                                             reference_copy_set=copy_set, bucket_bytes=s["grads"])
+                                             reference_copy_set=copy_set, trained_bytes=s["grads"])
     else:
         s = state_bytes_from_probe(cfg, probe, plan)
         ref = reference_copy(cfg, plan, s["params"])
         strategy = requested
         est = per_rank_bytes(s["params"], s["grads"], s["optim"], s["activations"], strategy, world,
                              block_bytes=s["block_bytes"], offload_optimizer=cfg.distributed.offload_optimizer,
-                             reference_bytes=ref, bucket_bytes=s["grads"])
+                             reference_bytes=ref, trained_bytes=s["grads"])
         why = f"distributed.strategy={strategy} set in the config ({human(est['total'])} per rank estimated)"
     check_strategy(strategy, plan.precision)
     if strategy in DEEPSPEED_STRATEGIES:

@@ -58,7 +58,9 @@ class DeepSpeedStrategy(TorchDistributed):
 
         deepspeed = import_deepspeed()
         check_same_weights(model, self.info)
-        self.ds_config = config_for(self.cfg, self.plan, num_layers=len(find_decoder_blocks(model)))
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)  # buckets sized to the model
+        self.ds_config = config_for(self.cfg, self.plan, num_layers=len(find_decoder_blocks(model)),
+                                    hidden_size=hidden if isinstance(hidden, int) else None)
         model.to(self.device)
         sched = lr_schedule(t)
         self.model, self.optimizer, _, self.scheduler = deepspeed.initialize(

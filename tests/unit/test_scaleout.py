@@ -71,7 +71,7 @@ def test_deepspeed_config_follows_the_plan():
 
     c = deepspeed_config(stage=3, world_size=8, batch_size=64, grad_accum_steps=2, precision="bf16-mixed",
                          max_grad_norm=1.0, lr=2e-5, weight_decay=0.1, policy="full", num_layers=32,
-                         offload_optimizer=True)
+                         offload_optimizer=True, hidden_size=4096)
     # DeepSpeed checks train_batch_size == micro x accumulation x world size.
     assert c["train_batch_size"] == 64 and c["train_micro_batch_size_per_gpu"] == 4
     assert c["gradient_accumulation_steps"] == 2 and c["gradient_clipping"] == 1.0
@@ -79,6 +79,9 @@ def test_deepspeed_config_follows_the_plan():
     z = c["zero_optimization"]
     assert z["stage"] == 3 and z["offload_optimizer"]["device"] == "cpu"
     assert z["stage3_gather_16bit_weights_on_model_save"] is True
+    # Buckets sized to the model (transformers' "auto"), not DeepSpeed's 5e8 elements (4 GB a ZeRO-2 rank in fp32).
+    assert z["reduce_bucket_size"] == 4096**2 and z["stage3_prefetch_bucket_size"] == int(0.9 * 4096**2)
+    assert z["stage3_param_persistence_threshold"] == 40960
     assert c["optimizer"]["params"]["lr"] == 2e-5 and c["optimizer"]["params"]["torch_adam"] is True
     assert c["activation_checkpointing"]["number_checkpoints"] == 32
     json.dumps(c)  # it is written as the JSON DeepSpeed reads

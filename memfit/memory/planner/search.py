@@ -123,13 +123,14 @@ def on_ranks(est: Estimator, cfg: Any, limit: float | None) -> Estimator:
         return est
     from functools import partial
 
-    from memfit.memory.planner.sharding import rank_share
+    from memfit.memory.planner.sharding import bucket_elements, rank_share
 
     copy_set = cfg.train.objective == "dpo" and cfg.dpo.reference == "copy"
+    hidden = int(getattr(est.hf_config, "hidden_size", 0) or 0)
     return est.for_ranks(world, partial(rank_share, strategy=cfg.distributed.strategy, world_size=world,
                                         limit=None if limit is None else int(limit),
                                         offload_optimizer=cfg.distributed.offload_optimizer,
-                                        reference_copy_set=copy_set))
+                                        reference_copy_set=copy_set, ds_bucket_elements=bucket_elements(hidden)))
 
 
 def estimate_policy(cfg: Any, profile: DeviceProfile, policy: str, hf_config: Any | None = None,

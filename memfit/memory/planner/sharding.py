@@ -9,9 +9,10 @@
 # |-----------------|--------|-------|-----------------|---------------------------------------------|
 # | single          | full   | full  | full            | none                                        |
 # | ddp             | full   | full  | full            | the reducer's gradient-sized buckets        |
-# | deepspeed_zero2 | full   | / N   | / N             | none                                        |
+# | deepspeed_zero2 | full   | / N   | / N (+ fp32 copy)| two reduce buckets                         |
 # | fsdp2           | / N    | / N   | / N             | all-gathered block params (this one, the    |
 # | deepspeed_zero3 | / N    | / N   | / N             | prefetched next) + that block's full grads  |
+#                                                          (+ ZeRO-3's reduce bucket)
 #
 # DDP's buckets (gradient_as_bucket_view) are allocated once and stay; after zero_grad(set_to_none) the next
 # backward's gradients are fresh tensors beside them until DDP points them into the buckets (with accumulation,
@@ -19,7 +20,10 @@
 # process at its peak. FSDP2 keeps the last block gathered after forward (distributed/strategies.py), a third
 # block's parameters, and stages its collectives in flat buffers of a block each (torch's _fsdp_collectives):
 # the all-gather's output beside the parameters it is copied out to, and the reduce-scatter's input, which holds
-# one block's gradients until the next block's is issued, beside the block's unsharded gradients.
+# one block's gradients until the next block's is issued, beside the block's unsharded gradients. DeepSpeed's
+# buckets are hidden_size^2 elements as memfit configures them (distributed/ds_config.py; at its default of 5e8
+# elements a ZeRO-2 rank of the tiny model held 4.0 GB): ZeRO-2 reduces into two (overlap_comm) and keeps an fp32
+# copy of its partition of the weights for the optimizer (even when they are fp32 already); ZeRO-3 one bucket.
 #
 # `offload_optimizer` (DeepSpeed only) moves the optimizer state to CPU memory: it leaves the device total
 # and is reported as `cpu_offload`. Activations are never divided: each rank holds the activations of its
@@ -52,14 +56,17 @@ class ShardingRule:
     kept_blocks: int = 0  # blocks left gathered after forward (memfit's FSDP2: the last one, backward's first)
     staged: bool = False  # FSDP2's flat all-gather output and reduce-scatter input, a block each
     buckets: bool = False  # DDP's gradient-sized reducer buckets beside the gradients
+    ds_buckets: int = 0  # DeepSpeed's reduce buckets (ds_bucket_bytes each)
+    master_partition: bool = False  # ZeRO-2's fp32 copy of this rank's partition of the trained weights
 
 
 RULES: dict[str, ShardingRule] = {
     "single": ShardingRule(params=False, grads=False, optim=False, gathers_blocks=False),
     "ddp": ShardingRule(params=False, grads=False, optim=False, gathers_blocks=False, buckets=True),
-    "deepspeed_zero2": ShardingRule(params=False, grads=True, optim=True, gathers_blocks=False),
+    "deepspeed_zero2": ShardingRule(params=False, grads=True, optim=True, gathers_blocks=False, ds_buckets=2,
+                                    master_partition=True),
     "fsdp2": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True, kept_blocks=1, staged=True),
-    "deepspeed_zero3": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True),
+    "deepspeed_zero3": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True, ds_buckets=1),
 }
 
 
@@ -78,6 +85,14 @@ def human(nbytes: float) -> str:
     return f"{nbytes} B"  # pragma: no cover - unreachable
 
 
+def bucket_elements(hidden_size: int) -> int:
+    """Pure: DeepSpeed's communication buckets for a model of this width (elements): hidden_size squared, as
+    transformers' DeepSpeed integration sizes them ("auto"). DeepSpeed's own default is 5e8 elements whatever the
+    model: measured on two CPU ranks of the tiny model, 4.0 GB a rank under ZeRO-2 (two such buffers with
+    overlap_comm) and 2.0 GB under ZeRO-3, for a model of 0.7 MB."""
+    return int(hidden_size) ** 2
+
+
 def _shard(nbytes: int, divide: bool, world_size: int) -> int:
     # Each rank holds ceil(n / N): shards are padded to equal size (FSDP2 pads dim 0, ZeRO pads flat buffers).
     return math.ceil(nbytes / world_size) if divide else int(nbytes)
@@ -85,8 +100,8 @@ def _shard(nbytes: int, divide: bool, world_size: int) -> int:
 
 def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strategy: str, world_size: int, *,
                    block_bytes: int = 0, offload_optimizer: bool = False, reference_bytes: int = 0,
-                   bucket_bytes: int = 0, block_grad_bytes: int | None = None,
-                   gathered_block_bytes: int | None = None) -> dict[str, Any]:
+                   trained_bytes: int = 0, block_grad_bytes: int | None = None,
+                   gathered_block_bytes: int | None = None, ds_bucket_bytes: int = 0) -> dict[str, Any]:
     """Bytes ONE rank needs for the training state under `strategy` on `world_size` ranks.
 
     params / grads / optim: what a single process holds for the whole model (e.g. fp32 AdamW: 4, 4 and
@@ -95,7 +110,8 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
     largest decoder block (fully sharded strategies all-gather two at a time and hold one block's full
     gradients before the reduce-scatter; 0 leaves this transient out). reference_bytes: a DPO reference copy's
     weights, held whole where the strategy keeps a whole replica and not at all where it splits the
-    parameters (precomputed there). bucket_bytes: the trained parameters' gradient bytes, DDP's buckets.
+    parameters (precomputed there). trained_bytes: the trained parameters at their gradients' width (DDP's
+    buckets; ZeRO-2's fp32 copy of a partition). ds_bucket_bytes: one of DeepSpeed's reduce buckets.
     block_grad_bytes: one block's gradients (default: block_bytes scaled as `grads` is to `params`).
     gathered_block_bytes: one block's weights as gathered (default block_bytes; FSDP2 with bf16-mixed gathers them
     in bf16). Returns
@@ -111,7 +127,7 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
         raise ValueError(f"offload_optimizer is a DeepSpeed (ZeRO-Offload) feature, not available with {strategy}")
     for name, value in (("params", params), ("grads", grads), ("optim", optim), ("activations", activations),
                         ("block_bytes", block_bytes), ("reference_bytes", reference_bytes),
-                        ("bucket_bytes", bucket_bytes)):
+                        ("trained_bytes", trained_bytes), ("ds_bucket_bytes", ds_bucket_bytes)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0 bytes (got {value})")
     rule = RULES[strategy]
@@ -131,7 +147,12 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
         gathered = block_bytes if gathered_block_bytes is None else gathered_block_bytes
         transient = blocks * int(gathered) + (1 + rule.staged) * int(block_grad_bytes)
     if rule.buckets and world_size > 1:
-        transient += int(bucket_bytes)
+        transient += int(trained_bytes)
+    transient += rule.ds_buckets * int(ds_bucket_bytes)
+    if rule.master_partition and not offload_optimizer:
+        out_optim += _shard(trained_bytes, True, world_size)
+    elif rule.master_partition:
+        cpu += _shard(trained_bytes, True, world_size)
     reference = 0 if rule.params else int(reference_bytes)
     total = out_params + out_grads + out_optim + int(activations) + transient + reference
     return {
@@ -159,7 +180,7 @@ def training_state_bytes(n_trainable: int, precision: str, n_frozen: int = 0) ->
 
 def choose_strategy(params: int, grads: int, optim: int, activations: int, world_size: int,
                     budget_bytes: int | None, *, block_bytes: int = 0, reference_bytes: int = 0,
-                    reference_copy_set: bool = False, bucket_bytes: int = 0) -> tuple[str, str, dict[str, Any]]:
+                    reference_copy_set: bool = False, trained_bytes: int = 0) -> tuple[str, str, dict[str, Any]]:
     """`distributed.strategy=auto`: (strategy, why, its per-rank bytes).
 
     ddp when a full replica fits the budget (fastest: one all-reduce, no gathers); otherwise fsdp2
@@ -172,7 +193,7 @@ def choose_strategy(params: int, grads: int, optim: int, activations: int, world
         est = per_rank_bytes(params, grads, optim, activations, "single", 1, reference_bytes=reference_bytes)
         return "single", "one process: nothing to divide", est
     ddp = per_rank_bytes(params, grads, optim, activations, "ddp", world_size, reference_bytes=reference_bytes,
-                         bucket_bytes=bucket_bytes)
+                         trained_bytes=trained_bytes)
     fsdp = per_rank_bytes(params, grads, optim, activations, "fsdp2", world_size, block_bytes=block_bytes,
                           reference_bytes=reference_bytes)
     return strategy_between(ddp, fsdp, budget_bytes, reference_bytes, reference_copy_set)
@@ -214,23 +235,24 @@ def rank_parts(breakdown: Mapping[str, int], reference_bytes: int = 0) -> tuple[
 
 
 def rank_peak(moments: list[Mapping[str, int]], strategy: str, world_size: int, n_blocks: int,
-              reference_bytes: int = 0, offload_optimizer: bool = False, precision: str = "fp32") -> dict[str, Any]:
+              reference_bytes: int = 0, offload_optimizer: bool = False, precision: str = "fp32",
+              ds_bucket_bytes: int = 0) -> dict[str, Any]:
     """Pure: one rank's per_rank_bytes row at the moment of the step where it peaks. Sharding shrinks the state,
     not the activations, so that moment need not be where one process peaks (`moments`: every moment's bytes by
     category, none of them holding the reference copy). DDP's buckets are the gradients' size: their largest.
     FSDP2 gathers bf16-mixed weights in bf16 (distributed/strategies.py's MixedPrecisionPolicy): half their bytes."""
-    buckets = max(int(v.get("grads", 0)) for v in moments)  # every gradient, as at the optimizer step
+    trained = max(int(v.get("grads", 0)) for v in moments)  # every gradient, as at the optimizer step
     n = max(1, n_blocks)
     half = strategy == "fsdp2" and precision == "bf16-mixed"
     rows = (per_rank_bytes(*parts, strategy, world_size, block_bytes=parts[0] // n, reference_bytes=reference_bytes,
-                           offload_optimizer=offload_optimizer, bucket_bytes=buckets, block_grad_bytes=buckets // n,
-                           gathered_block_bytes=parts[0] // n // 2 if half else None)
+                           offload_optimizer=offload_optimizer, trained_bytes=trained, block_grad_bytes=trained // n,
+                           gathered_block_bytes=parts[0] // n // 2 if half else None, ds_bucket_bytes=ds_bucket_bytes)
             for parts in {rank_parts(v) for v in moments})  # moments alike in every part are weighed once
     return max(rows, key=lambda row: row["total"])
 
 
 def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | None, offload_optimizer: bool = False,
-               reference_copy_set: bool = False) -> Any:
+               reference_copy_set: bool = False, ds_bucket_elements: int = 0) -> Any:
     """One process's estimate (traced at one rank's rows, with its moments) as one rank's under `strategy` (auto:
     ddp or fsdp2 by choose_strategy's rule against `limit`, the budget less its margin): the peak and breakdown
     become the rank's; the strategy, why, and every strategy's row are kept in extra["ranks"] (for `memfit plan`
@@ -239,13 +261,16 @@ def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | No
     moments = estimate.moments or [dict(estimate.breakdown, other=estimate.breakdown["other"] - ref)]
     n_blocks = len(estimate.kinds)
     precision = estimate.stack.precision
-    rows = {s: rank_peak(moments, s, world_size, n_blocks, ref, precision=precision)
+    # DeepSpeed's reduce buckets hold gradients: ds_bucket_elements at the gradients' width
+    trained = max(int(v.get("grads", 0)) for v in moments)
+    bucket = ds_bucket_elements * trained // max(1, estimate.n_trainable)
+    rows = {s: rank_peak(moments, s, world_size, n_blocks, ref, precision=precision, ds_bucket_bytes=bucket)
             for s in STRATEGIES if s != "single"}
     if strategy == "auto":
         strategy, why, row = strategy_between(rows["ddp"], rows["fsdp2"], limit, ref, reference_copy_set)
     else:
         row = rows[strategy] if not offload_optimizer else \
-            rank_peak(moments, strategy, world_size, n_blocks, ref, offload_optimizer, precision)
+            rank_peak(moments, strategy, world_size, n_blocks, ref, offload_optimizer, precision, bucket)
         why = f"distributed.strategy={strategy} set in the config ({human(row['total'])} per rank estimated)"
     rows[strategy] = row
     breakdown = {"params": row["params"], "grads": row["grads"], "optimizer": row["optim"],
