@@ -4,8 +4,8 @@
     python bench/rank_memory.py --out /tmp/x     # elsewhere
 
 Each row is a real `memfit` run of configs/tiny.yaml through phases 1-3 (probe, plan, train) for a few steps: one
-process, then two ranks under torchrun with ddp, fsdp2 (with no gradient checkpointing and with every block
-checkpointed), deepspeed_zero2 and deepspeed_zero3 (rows skipped without DeepSpeed). The plan's predicted peak is
+process, then two ranks under torchrun with ddp, fsdp2, deepspeed_zero2 and deepspeed_zero3 (rows skipped without
+DeepSpeed), with no gradient checkpointing and with every block checkpointed. The plan's predicted peak is
 the planner's one-rank figure (planner/sharding.py rank_share); the measured peak is rank 0's live tensor bytes at
 its peak step (monitor.track_tensors, the figure a memory budget is held to on CPU), as MLflow logged it
 (`memory/peak_bytes`). A ratio below 1 is a plan that holds less than the rank did.
@@ -27,8 +27,11 @@ sys.path.insert(0, str(REPO / "tests"))
 from memfit import config, phases  # noqa: E402
 from memfit.files import write_json_atomic  # noqa: E402
 
-ROWS = [("one process", 1, "single", "none"), ("ddp", 2, "ddp", "none"), ("fsdp2", 2, "fsdp2", "none"),
-        ("fsdp2, every block checkpointed", 2, "fsdp2", "full"), ("deepspeed_zero2", 2, "deepspeed_zero2", "none"),
+FULL = "every block checkpointed"
+ROWS = [("one process", 1, "single", "none"), (f"one process, {FULL}", 1, "single", "full"),
+        ("ddp", 2, "ddp", "none"), (f"ddp, {FULL}", 2, "ddp", "full"),
+        ("fsdp2", 2, "fsdp2", "none"), (f"fsdp2, {FULL}", 2, "fsdp2", "full"),
+        ("deepspeed_zero2", 2, "deepspeed_zero2", "none"), (f"deepspeed_zero2, {FULL}", 2, "deepspeed_zero2", "full"),
         ("deepspeed_zero3", 2, "deepspeed_zero3", "none")]
 
 

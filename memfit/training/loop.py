@@ -22,6 +22,7 @@ from memfit.data.order import BatchOrder
 from memfit.data.packing import flattened, row_real_tokens
 from memfit.data.pairs import with_rejected_side
 from memfit.data.prepare import DataBundle
+from memfit.distributed.strategies import unwrap
 from memfit.memory.estimator.step import train_step
 from memfit.memory.planner.monitor import MemoryMonitor
 from memfit.memory.techniques.loss import Batch, LossPolicy, blocks_batch
@@ -249,7 +250,10 @@ class Trainer:
         try:
             while self.step < t.max_steps:
                 t0 = time.perf_counter()
-                if not self.model.training:  # train() walks every module (≈ 0.2 ms a step on the tiny model)
+                # train() walks every module (≈ 0.2 ms a step on the tiny model): only after an evaluation. A wrapper
+                # (DDP, a DeepSpeed engine) is in train mode from birth while the model it holds is not (from_pretrained
+                # and evaluation leave it in eval mode, where transformers skips gradient checkpointing): ask both.
+                if not self.model.training or not unwrap(self.model).training:
                     self.model.train()
                 with self.monitor.watch(self.step + 1):
                     loss_sum, grad_norm = self.optimizer_step()
