@@ -8,22 +8,22 @@
 # | strategy        | params | grads | optimizer state | transient per rank                          |
 # |-----------------|--------|-------|-----------------|---------------------------------------------|
 # | single          | full   | full  | full            | none                                        |
-# | ddp             | full   | full  | full            | the reducer's gradient-sized buckets        |
+# | ddp             | full   | full  | full            | the gradients' size (buckets rebuilt once)  |
 # | deepspeed_zero2 | full   | / N   | / N (+ fp32 copy)| two reduce buckets                         |
 # | fsdp2           | / N    | / N   | / N             | all-gathered block params (this one, the    |
 # | deepspeed_zero3 | / N    | / N   | / N             | prefetched next) + that block's full grads  |
 #                                                          (+ ZeRO-3's reduce bucket)
 #
-# DDP's buckets (gradient_as_bucket_view) are allocated once and stay; after zero_grad(set_to_none) the next
-# backward's gradients are fresh tensors beside them until DDP points them into the buckets (with accumulation,
-# for every micro-batch but the last): measured on two CPU ranks, a rank held one gradient's size more than one
-# process at its peak. FSDP2 keeps the last block gathered after forward (distributed/strategies.py), a third
-# block's parameters, and stages its collectives in flat buffers of a block each (torch's _fsdp_collectives):
-# the all-gather's output beside the parameters it is copied out to, and the reduce-scatter's input, which holds
-# one block's gradients until the next block's is issued, beside the block's unsharded gradients. DeepSpeed's
-# buckets are hidden_size^2 elements as memfit configures them (distributed/ds_config.py; at its default of 5e8
-# elements a ZeRO-2 rank of the tiny model held 4.0 GB): ZeRO-2 reduces into two (overlap_comm) and keeps an fp32
-# copy of its partition of the weights for the optimizer (even when they are fp32 already); ZeRO-3 one bucket.
+# DDP's gradients are views into its buckets (gradient_as_bucket_view), but after the first step DDP rebuilds the
+# buckets in the order the gradients came, the first ones still allocated: measured on two CPU ranks, a rank's live
+# tensor peak was one gradient's size above one process's at its second step (6.25 / 8.42 / 7.70 / 7.70 MB in steps 1-4,
+# the process's own figure 7.69), so the peak a plan must hold counts it. FSDP2 keeps the last block gathered after
+# forward (distributed/strategies.py), a third block's parameters, and stages its collectives in flat buffers of a block
+# each (torch's _fsdp_collectives): the all-gather's output beside the parameters it is copied out to, and the reduce-
+# scatter's input, which holds one block's gradients until the next block's is issued, beside the block's unsharded
+# gradients. DeepSpeed's buckets are hidden_size^2 elements as memfit configures them (distributed/ds_config.py; at its
+# default of 5e8 elements a ZeRO-2 rank of the tiny model held 4.0 GB): ZeRO-2 reduces into two (overlap_comm) and keeps
+# an fp32 copy of its partition of the weights for the optimizer (even when they are fp32 already); ZeRO-3 one bucket.
 #
 # `offload_optimizer` (DeepSpeed only) moves the optimizer state to CPU memory: it leaves the device total
 # and is reported as `cpu_offload`. Activations are never divided: each rank holds the activations of its
@@ -55,7 +55,7 @@ class ShardingRule:
     gathers_blocks: bool  # parameters are all-gathered one block at a time (fully sharded)
     kept_blocks: int = 0  # blocks left gathered after forward (memfit's FSDP2: the last one, backward's first)
     staged: bool = False  # FSDP2's flat all-gather output and reduce-scatter input, a block each
-    buckets: bool = False  # DDP's gradient-sized reducer buckets beside the gradients
+    buckets: bool = False  # DDP's gradient-sized buckets, rebuilt once beside the first ones
     ds_buckets: int = 0  # DeepSpeed's reduce buckets (ds_bucket_bytes each)
     master_partition: bool = False  # ZeRO-2's fp32 copy of this rank's partition of the trained weights
 
