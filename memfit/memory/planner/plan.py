@@ -317,11 +317,15 @@ def measured_out_message(leanest: Estimate, why: str, measured: Sequence[Measure
     return f"{head}. What would help: " + "; ".join(hints)
 
 
+def held_weights(e: Estimate) -> int:
+    """The weights one process holds, or with several ranks one rank (its share where the strategy splits them)."""
+    return e.breakdown["params"] if "ranks" in e.extra else e.weight_bytes
+
+
 def nothing_fits_message(leanest: Estimate, budget: int, limit: int, source: str, configured: Stack) -> str:
     b = leanest.breakdown
     field_name = "memory.budget_gb" if source == "memory.budget_gb" else f"the budget ({source})"
-    held = leanest.breakdown["params"] if "ranks" in leanest.extra else leanest.weight_bytes  # a rank's share
-    if held > budget:
+    if held_weights(leanest) > budget:
         lean = ("" if leanest.stack.quantize != "none" else
                 "; lora.enabled=auto with lora.quantize=nf4 lets the planner hold the frozen base in 16 or 4 bits"
                 if not leanest.stack.lora else "; lora.quantize=nf4 holds the frozen base in 4 bits")

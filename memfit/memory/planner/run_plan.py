@@ -9,7 +9,7 @@ from memfit.config.devices import DeviceProfile
 from memfit.errors import ConfigError, MemoryBudgetError
 from memfit.memory.estimator.evaluation import plan_evaluation
 from memfit.memory.estimator.fake_model import config_from_dict, model_config_for
-from memfit.memory.planner.plan import plan_table_markdown
+from memfit.memory.planner.plan import held_weights, plan_table_markdown
 from memfit.memory.planner.search import plan_for
 from memfit.memory.techniques.policies import configured_policy
 from memfit.reports import PlanReport, ProbeReport
@@ -24,9 +24,7 @@ def run_plan(cfg: Any, probe_report: ProbeReport, profile: DeviceProfile, budget
     device = probe_report.environment["device"]
     architecture = config_from_dict(probe_report.architecture)
     plan = plan_for(cfg, profile, budget, source, hf_config=architecture, measured=measured)
-    # The weights one process (or, with several ranks, one rank) holds.
-    weights = None if plan.chosen is None else plan.chosen.breakdown["params"] \
-        if "ranks" in plan.chosen.extra else plan.chosen.weight_bytes
+    weights = None if plan.chosen is None else held_weights(plan.chosen)
     if not plan.fits and (cfg.memory.policy == "auto" or (budget is not None and weights and weights > budget)
                           or (plan.chosen is not None and plan.excluded(plan.chosen))):
         # The planner found nothing, even a forced policy cannot hold the weights themselves, or a forced policy

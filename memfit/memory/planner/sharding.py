@@ -224,24 +224,22 @@ def strategy_between(ddp: dict[str, Any], fsdp: dict[str, Any], budget_bytes: in
                      "deepspeed_zero3 with distributed.offload_optimizer=true"), fsdp
 
 
-def rank_parts(breakdown: Mapping[str, int], reference_bytes: int = 0) -> tuple[int, int, int, int]:
-    """Pure: one moment of one process's step (the estimator's bytes by category) as per_rank_bytes' params,
-    grads, optim and activations. `other` is mostly gradient-sized scratch (backward buffers, AdamW's foreach
-    copy): it shards with the gradients, less a DPO reference copy held in it (`reference_bytes`), which
-    per_rank_bytes counts by the strategy."""
-    grads = int(breakdown.get("grads", 0)) + max(0, int(breakdown.get("other", 0)) - int(reference_bytes))
+def rank_parts(breakdown: Mapping[str, int]) -> tuple[int, int, int, int]:
+    """Pure: one moment of one process's step (the estimator's bytes by category, no DPO reference copy in it) as
+    per_rank_bytes' params, grads, optim and activations. `other` is mostly gradient-sized scratch (backward
+    buffers, AdamW's foreach copy): it shards with the gradients."""
+    grads = int(breakdown.get("grads", 0)) + int(breakdown.get("other", 0))
     return (int(breakdown.get("params", 0)), grads, int(breakdown.get("optimizer", 0)),
             int(breakdown.get("activations", 0)))
 
 
-def rank_peak(moments: list[Mapping[str, int]], strategy: str, world_size: int, n_blocks: int,
+def rank_peak(moments: list[Mapping[str, int]], strategy: str, world_size: int, n_blocks: int, trained: int,
               reference_bytes: int = 0, offload_optimizer: bool = False, precision: str = "fp32",
               ds_bucket_bytes: int = 0) -> dict[str, Any]:
     """Pure: one rank's per_rank_bytes row at the moment of the step where it peaks. Sharding shrinks the state,
     not the activations, so that moment need not be where one process peaks (`moments`: every moment's bytes by
-    category, none of them holding the reference copy). DDP's buckets are the gradients' size: their largest.
-    FSDP2 gathers bf16-mixed weights in bf16 (distributed/strategies.py's MixedPrecisionPolicy): half their bytes."""
-    trained = max(int(v.get("grads", 0)) for v in moments)  # every gradient, as at the optimizer step
+    category, none of them holding the reference copy). `trained`: every gradient's bytes (DDP's buckets, ZeRO-2's
+    fp32 partition). FSDP2 gathers bf16-mixed weights in bf16 (distributed/strategies.py's MixedPrecisionPolicy)."""
     n = max(1, n_blocks)
     half = strategy == "fsdp2" and precision == "bf16-mixed"
     rows = (per_rank_bytes(*parts, strategy, world_size, block_bytes=parts[0] // n, reference_bytes=reference_bytes,
@@ -258,19 +256,19 @@ def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | No
     become the rank's; the strategy, why, and every strategy's row are kept in extra["ranks"] (for `memfit plan`
     and phase 2)."""
     ref = int(estimate.extra.get("reference_bytes") or 0)
-    moments = estimate.moments or [dict(estimate.breakdown, other=estimate.breakdown["other"] - ref)]
+    moments = estimate.moments  # compose keeps them when the estimator has a share (Estimator.for_ranks)
     n_blocks = len(estimate.kinds)
     precision = estimate.stack.precision
+    trained = max(int(v.get("grads", 0)) for v in moments)  # every gradient, as at the optimizer step
     # DeepSpeed's reduce buckets hold gradients: ds_bucket_elements at the gradients' width
-    trained = max(int(v.get("grads", 0)) for v in moments)
     bucket = ds_bucket_elements * trained // max(1, estimate.n_trainable)
-    rows = {s: rank_peak(moments, s, world_size, n_blocks, ref, precision=precision, ds_bucket_bytes=bucket)
+    rows = {s: rank_peak(moments, s, world_size, n_blocks, trained, ref, precision=precision, ds_bucket_bytes=bucket)
             for s in STRATEGIES if s != "single"}
     if strategy == "auto":
         strategy, why, row = strategy_between(rows["ddp"], rows["fsdp2"], limit, ref, reference_copy_set)
     else:
         row = rows[strategy] if not offload_optimizer else \
-            rank_peak(moments, strategy, world_size, n_blocks, ref, offload_optimizer, precision, bucket)
+            rank_peak(moments, strategy, world_size, n_blocks, trained, ref, offload_optimizer, precision, bucket)
         why = f"distributed.strategy={strategy} set in the config ({human(row['total'])} per rank estimated)"
     rows[strategy] = row
     breakdown = {"params": row["params"], "grads": row["grads"], "optimizer": row["optim"],
