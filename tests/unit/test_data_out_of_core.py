@@ -189,28 +189,31 @@ def test_a_failing_or_dying_worker_is_an_error_not_a_wait(payload):
     assert got == [0, 1, 2, 3, 4]  # everything before the failure, in order, and nothing after it
 
 
-def _pid_and_pool(started):
-    """(this process, how many processes its parent forked since `started`: the pool's workers)."""
+def _pid_and_pool(before):
+    """(this process, how many processes its parent has that it did not have `before`: the pool's workers). By
+    pid, not by start time: psutil's start times count from the boot time in whole seconds, so a worker forked
+    just now could read as older than a wall-clock time taken before it (this test failed so on one machine)."""
     import os
 
     import psutil
 
     parent = psutil.Process(os.getppid())
-    return os.getpid(), len([c for c in parent.children() if c.create_time() >= started - 0.05])
+    return os.getpid(), len([c for c in parent.children() if c.pid not in before])
 
 
 def test_few_jobs_take_few_workers_and_one_job_none():
     """A small corpus forks nothing (its one slice is encoded here); three slices take three workers, not eight."""
     import os
-    import time
+
+    import psutil
 
     from memfit.data.workers import in_order
 
     got: list[tuple[int, int]] = []
-    in_order(_pid_and_pool, iter([time.time()]), 8, got.append)
+    before = frozenset(c.pid for c in psutil.Process().children())
+    in_order(_pid_and_pool, iter([before]), 8, got.append)
     assert [pid for pid, _ in got] == [os.getpid()]
     got.clear()
-    started = time.time()
-    in_order(_pid_and_pool, iter([started] * 3), 8, got.append)
+    in_order(_pid_and_pool, iter([before] * 3), 8, got.append)
     assert len(got) == 3 and os.getpid() not in [pid for pid, _ in got]
     assert max(n for _, n in got) == 3, got  # the pool's size
