@@ -131,9 +131,10 @@ def test_sharded_checkpoint_resumes_on_two_ranks(preempted_fsdp2, reference):
     (run,) = _runs(cfg)  # the same MLflow run continued
     assert run.info.run_id == report.mlflow_run_id
     # The plan is one rank's, against rank 0's live tensor peak (FSDP2's gathered blocks and staging buffers
-    # counted): 0.913 here with every block checkpointed, 0.996 with none, 2026-12-07.
+    # counted): 0.989 here with every block checkpointed, 1.045 with none (docs/distributed.md). Before the
+    # backward's activation gradients and recompute were held whole on a rank (2026-12-07, late) it read 0.913.
     ratio = plan.predicted_peak_bytes / _measured_peak(cfg, report.mlflow_run_id)
-    assert 0.88 < ratio < 1.1, ratio
+    assert 0.96 < ratio < 1.06, ratio
     _assert_close(_losses(cfg, report.mlflow_run_id), reference, range(1, STEPS + 1))
 
 
@@ -240,10 +241,10 @@ def test_deepspeed_zero_preempts_and_resumes(tmp_path, work, reference, stage):
     plan, report = _train(cfg)
     assert report.resumed_from == 5 and report.steps == STEPS
     # Rank 0's live tensor peak against the plan: DeepSpeed's buckets sized to the model (at its default of 5e8
-    # elements: 4.0 GB under ZeRO-2, 2.0 GB under ZeRO-3) and counted; 2026-12-07: ZeRO-2 1.000, ZeRO-3 1.12 (over,
-    # why not yet established).
+    # elements: 4.0 GB under ZeRO-2, 2.0 GB under ZeRO-3) and counted, and the tensors its ZeRO optimizer holds
+    # (counted from the step's start, not from their first write); 2026-12-07, late: ZeRO-2 1.004, ZeRO-3 1.061.
     ratio = plan.predicted_peak_bytes / _measured_peak(cfg, report.mlflow_run_id)
-    assert (0.98 < ratio < 1.02) if stage == 2 else (0.98 < ratio < 1.25), ratio
+    assert (0.98 < ratio < 1.03) if stage == 2 else (0.98 < ratio < 1.1), ratio
     _assert_close(_losses(cfg, report.mlflow_run_id), reference, range(1, STEPS + 1))
     export = phases.evaluate_and_release(cfg, report)  # whole weights rank 0 wrote beside the ZeRO shards
     assert export.safetensors_max_abs_diff == 0.0

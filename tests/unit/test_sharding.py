@@ -87,37 +87,55 @@ def test_a_dpo_reference_copy_is_whole_on_replicas_and_absent_where_weights_are_
 def _estimate(moments, kinds=("none", "none"), precision="fp32"):
     from memfit.memory.estimator.compose import Estimate, Stack
 
-    peak = max(moments, key=lambda v: sum(v.values()))
+    _, peak = max(moments, key=lambda pv: sum(pv[1].values()))
     return Estimate(stack=Stack(precision, 4, 1, False), kinds=kinds, policy="none", every_k=None,
                     peak_bytes=sum(peak.values()), breakdown=dict(peak), activation_bytes=0, peak_at="optimizer step",
                     step_seconds=1.0, host_bytes=0, weight_bytes=100, n_params=25, n_trainable=25, moments=moments)
 
 
+# One process peaks at the optimizer step (full gradients, moments and AdamW's gradient-sized scratch: 500 B). The end
+# of the forward holds 450 B, a third of it activations, which no strategy divides; the head's backward 480 B, with
+# the loss's gradient (60 B of `other`), which no strategy divides either.
+STEP = ("step", {"params": 100, "grads": 100, "optimizer": 200, "activations": 0, "other": 100})
+FORWARD = ("forward", {"params": 100, "grads": 0, "optimizer": 200, "activations": 150, "other": 0})
+BACKWARD = ("backward", {"params": 100, "grads": 0, "optimizer": 200, "activations": 120, "other": 60})
+
+
 def test_a_rank_peaks_where_its_share_does_not_where_one_process_does():
     from memfit.memory.planner.sharding import rank_share
 
-    # One process peaks at the optimizer step (full gradients, moments and scratch: 500 B); the end of the forward
-    # holds less in all (450 B) but a third of it is activations, which no strategy divides.
-    step = {"params": 100, "grads": 100, "optimizer": 200, "activations": 0, "other": 100}
-    forward = {"params": 100, "grads": 0, "optimizer": 200, "activations": 150, "other": 0}
-    e = _estimate([forward, step], kinds=("none",) * 4)
+    e = _estimate([FORWARD, BACKWARD, STEP], kinds=("none",) * 4)
     ddp = rank_share(e, strategy="ddp", world_size=4, limit=None)
     # A replica: the process's own peak, and DDP's gradient-sized buckets (100 B) beside it.
-    assert ddp.peak_bytes == 600 and ddp.breakdown == dict(step, other=200)
+    assert ddp.peak_bytes == 600 and ddp.breakdown == dict(STEP[1], other=200)
     fsdp = rank_share(e, strategy="fsdp2", world_size=4, limit=None)
-    # FSDP2's gathered and staged blocks: four of 25 B weights, two of 25 B gradients (150 B). At the step: 25 + 50
-    # + 50 + 150 = 275 B. At the forward's end: 25 + 0 + 50 + 150 + 150 = 375 B: that is the rank's peak.
-    assert fsdp.peak_bytes == 375 and fsdp.breakdown["activations"] == 150
+    # FSDP2 gathers four 25 B blocks (computing, prefetched, kept after forward, staged) and, in the backward only,
+    # holds two blocks' unsharded gradients (25 B each). At the step: 25 + 50 + 50 + 100 = 225 B. At the forward's
+    # end: 25 + 50 + 150 + 100 = 325 B. In the head's backward: 25 + 50 + 180 + 100 + 50 = 405 B, the rank's peak.
+    assert fsdp.peak_bytes == 405 and fsdp.breakdown["activations"] == 180
     assert fsdp.extra["ranks"]["strategy"] == "fsdp2" and fsdp.moments == []
     # auto: ddp within the limit, else fsdp2; the stack keeps the global micro-batch it was asked about
     assert rank_share(e, strategy="auto", world_size=4, limit=600).extra["ranks"]["strategy"] == "ddp"
     auto = rank_share(e, strategy="auto", world_size=4, limit=599)
-    assert auto.extra["ranks"]["strategy"] == "fsdp2" and auto.peak_bytes == 375
+    assert auto.extra["ranks"]["strategy"] == "fsdp2" and auto.peak_bytes == 405
     assert auto.stack.micro_batch_size == 4
     # bf16-mixed: FSDP2 gathers the weights in bf16 (its MixedPrecisionPolicy): four 12 B blocks, gradients in fp32.
-    bf16 = rank_share(_estimate([forward, step], ("none",) * 4, "bf16-mixed"), strategy="fsdp2", world_size=4,
-                      limit=None)
-    assert bf16.peak_bytes == 25 + 50 + 150 + 4 * 12 + 2 * 25
+    bf16 = rank_share(_estimate([FORWARD, BACKWARD, STEP], ("none",) * 4, "bf16-mixed"), strategy="fsdp2",
+                      world_size=4, limit=None)
+    assert bf16.peak_bytes == 25 + 50 + 180 + 4 * 12 + 2 * 25
+
+
+def test_what_a_moment_holds_besides_its_state_divides_only_at_the_optimizer_step():
+    from memfit.memory.planner.sharding import rank_parts, rank_share
+
+    # The step's scratch is AdamW's, per parameter: a rank steps its shard. The backward's is the loss's gradient,
+    # activation gradients and a checkpointed block's recompute: each rank's own micro-batch, whole on every rank.
+    assert rank_parts(STEP[1], "step") == (100, 200, 200, 0)
+    assert rank_parts(BACKWARD[1], "backward") == (100, 0, 200, 180)
+    # A ZeRO-2 rank (gradients and optimizer state divided, an fp32 copy of its partition; no DeepSpeed buckets
+    # here) in the head's backward: 100 + 0 + 50 + 25 + 180 = 355 B; counted as gradients the 60 B would be 15.
+    zero2 = rank_share(_estimate([FORWARD, BACKWARD, STEP]), strategy="deepspeed_zero2", world_size=4, limit=None)
+    assert zero2.peak_bytes == 355 and zero2.breakdown["activations"] == 180
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -107,9 +107,10 @@ class Estimate:
     n_trainable: int
     method: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
-    # Every moment's bytes by category (compose's keep_moments): where a step divided over ranks peaks need not be
-    # where one process does (sharding shrinks the state, not the activations). Not part of the report.
-    moments: list[Vec] = field(default_factory=list, repr=False, compare=False)
+    # Every moment's bytes by category (compose's keep_moments), each with its phase (forward, backward, step): where
+    # a step divided over ranks peaks need not be where one process does (sharding shrinks the state, not the
+    # activations), and what `other` holds differs by phase (planner/sharding.py rank_parts). Not in the report.
+    moments: list[tuple[str, Vec]] = field(default_factory=list, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -168,7 +169,7 @@ def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] 
     first, last = traces[kinds[0]], traces[kinds[-1]]
     mem = dict(static.after_opt)
     best: tuple[int, Vec, str] = (total(mem), dict(mem), "start of step")
-    moments: list[Vec] = [dict(mem)] if keep_moments else []
+    moments: list[tuple[str, Vec]] = [("forward", dict(mem))] if keep_moments else []
     seconds = 0.0
     activations = 0
 
@@ -178,7 +179,7 @@ def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] 
             return
         candidate = add(mem, seg.rise)
         if keep_moments:
-            moments.append(candidate)
+            moments.append((where.split(", ")[1], candidate))  # "micro-batch 1, backward, block 3": backward
         if total(candidate) > best[0]:
             best = (total(candidate), candidate, where)
         mem = add(mem, seg.delta)
@@ -206,7 +207,7 @@ def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] 
     leftover = add(mem, static.before_opt, -1)
     opt = add(static.opt_peak, leftover)
     if keep_moments:
-        moments.append(opt)
+        moments.append(("step", opt))
     if total(opt) > best[0]:
         best = (total(opt), opt, "optimizer step")
     seconds += static.opt_seconds
@@ -217,5 +218,5 @@ def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] 
                     breakdown=breakdown, activation_bytes=max(0, activations), peak_at=best[2],
                     step_seconds=seconds, host_bytes=host, weight_bytes=static.weight_bytes,
                     n_params=static.n_params, n_trainable=static.n_trainable, method=method,
-                    moments=[{key: max(0, v[key]) for key in BREAKDOWN_KEYS} for v in moments])
+                    moments=[(phase, {key: max(0, v[key]) for key in BREAKDOWN_KEYS}) for phase, v in moments])
 

@@ -119,6 +119,32 @@ def _nvml_used(device: torch.device) -> int | None:
             return None
 
 
+def held_tensors(obj: Any, depth: int = 4) -> list[torch.Tensor]:
+    """The tensors an optimizer object holds in its attributes, in lists, tuples and dicts of them, and in the
+    optimizers it wraps. DeepSpeed's ZeRO optimizer keeps its fp32 partition, its flat gradient partitions and its
+    reduce buckets there, written in the backward or the step: a step's count that adopted only parameters,
+    gradients and `state` saw them from their first write on, so a rank peaking in the forward read low."""
+    found: list[torch.Tensor] = []
+
+    def walk(x: Any, level: int) -> None:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif level <= 0 or isinstance(x, (nn.Module, str, bytes, int, float)):
+            return
+        elif isinstance(x, dict):
+            for v in list(x.values()):
+                walk(v, level - 1)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v, level - 1)
+        elif isinstance(x, torch.optim.Optimizer) or hasattr(x, "param_groups"):
+            for v in list(vars(x).values()):
+                walk(v, level - 1)
+
+    walk(obj, depth)
+    return found
+
+
 class MemoryMonitor:
     """Watches every optimizer step of the training loop, on each rank (see `watch`); a disabled one only passes
     through."""
@@ -211,6 +237,7 @@ class MemoryMonitor:
         state = getattr(self.optimizer, "state", None) or {}
         live.adopt([v for s in state.values() if isinstance(s, dict) for v in s.values()
                     if isinstance(v, torch.Tensor)], "optimizer")
+        live.adopt(held_tensors(self.optimizer), "optimizer")
         return live
 
     def _cuda_peak_figure(self) -> int:

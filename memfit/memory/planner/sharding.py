@@ -224,28 +224,34 @@ def strategy_between(ddp: dict[str, Any], fsdp: dict[str, Any], budget_bytes: in
                      "deepspeed_zero3 with distributed.offload_optimizer=true"), fsdp
 
 
-def rank_parts(breakdown: Mapping[str, int]) -> tuple[int, int, int, int]:
+def rank_parts(breakdown: Mapping[str, int], phase: str) -> tuple[int, int, int, int]:
     """Pure: one moment of one process's step (the estimator's bytes by category, no DPO reference copy in it) as
-    per_rank_bytes' params, grads, optim and activations. `other` is mostly gradient-sized scratch (backward
-    buffers, AdamW's foreach copy): it shards with the gradients."""
-    grads = int(breakdown.get("grads", 0)) + int(breakdown.get("other", 0))
-    return (int(breakdown.get("params", 0)), grads, int(breakdown.get("optimizer", 0)),
-            int(breakdown.get("activations", 0)))
+    per_rank_bytes' params, grads, optim and activations. `other` is what the moment holds besides: at the optimizer
+    step (`phase` step) gradient-sized scratch (AdamW's foreach copies), which shards with the gradients; in the
+    forward and backward the loss's temporaries, activation gradients and a checkpointed block's recomputed
+    activations, which no strategy divides (counted as gradients, a ZeRO-2 rank with every block checkpointed held
+    11 % more than planned: docs/distributed.md)."""
+    other, at_step = int(breakdown.get("other", 0)), phase == "step"
+    grads = int(breakdown.get("grads", 0)) + (other if at_step else 0)
+    acts = int(breakdown.get("activations", 0)) + (0 if at_step else other)
+    return int(breakdown.get("params", 0)), grads, int(breakdown.get("optimizer", 0)), acts
 
 
-def rank_peak(moments: list[Mapping[str, int]], strategy: str, world_size: int, n_blocks: int, trained: int,
-              reference_bytes: int = 0, offload_optimizer: bool = False, precision: str = "fp32",
+def rank_peak(moments: list[tuple[str, Mapping[str, int]]], strategy: str, world_size: int, n_blocks: int,
+              trained: int, reference_bytes: int = 0, offload_optimizer: bool = False, precision: str = "fp32",
               ds_bucket_bytes: int = 0) -> dict[str, Any]:
     """Pure: one rank's per_rank_bytes row at the moment of the step where it peaks. Sharding shrinks the state,
-    not the activations, so that moment need not be where one process peaks (`moments`: every moment's bytes by
-    category, none of them holding the reference copy). `trained`: every gradient's bytes (DDP's buckets, ZeRO-2's
-    fp32 partition). FSDP2 gathers bf16-mixed weights in bf16 (distributed/strategies.py's MixedPrecisionPolicy)."""
+    not the activations, so that moment need not be where one process peaks (`moments`: every moment's phase and
+    bytes by category, none of them holding the reference copy). A fully sharded rank holds a block's unsharded
+    gradients in the backward only. `trained`: every gradient's bytes (DDP's buckets, ZeRO-2's fp32 partition).
+    FSDP2 gathers bf16-mixed weights in bf16 (distributed/strategies.py's MixedPrecisionPolicy)."""
     n = max(1, n_blocks)
     half = strategy == "fsdp2" and precision == "bf16-mixed"
     rows = (per_rank_bytes(*parts, strategy, world_size, block_bytes=parts[0] // n, reference_bytes=reference_bytes,
-                           offload_optimizer=offload_optimizer, trained_bytes=trained, block_grad_bytes=trained // n,
+                           offload_optimizer=offload_optimizer, trained_bytes=trained,
+                           block_grad_bytes=trained // n if phase == "backward" else 0,
                            gathered_block_bytes=parts[0] // n // 2 if half else None, ds_bucket_bytes=ds_bucket_bytes)
-            for parts in {rank_parts(v) for v in moments})  # moments alike in every part are weighed once
+            for phase, parts in {(p, rank_parts(v, p)) for p, v in moments})  # moments alike: weighed once
     return max(rows, key=lambda row: row["total"])
 
 
@@ -259,7 +265,7 @@ def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | No
     moments = estimate.moments  # compose keeps them when the estimator has a share (Estimator.for_ranks)
     n_blocks = len(estimate.kinds)
     precision = estimate.stack.precision
-    trained = max(int(v.get("grads", 0)) for v in moments)  # every gradient, as at the optimizer step
+    trained = max(int(v.get("grads", 0)) for _, v in moments)  # every gradient, as at the optimizer step
     # DeepSpeed's reduce buckets hold gradients: ds_bucket_elements at the gradients' width
     bucket = ds_bucket_elements * trained // max(1, estimate.n_trainable)
     rows = {s: rank_peak(moments, s, world_size, n_blocks, trained, ref, precision=precision, ds_bucket_bytes=bucket)
