@@ -9,7 +9,8 @@
 # |-----------------|--------|-------|-----------------|---------------------------------------------|
 # | single          | full   | full  | full            | none                                        |
 # | ddp             | full   | full  | full            | the gradients' size (buckets rebuilt once)  |
-# | deepspeed_zero2 | full   | / N   | / N (+ fp32 copy)| two reduce buckets                         |
+# | deepspeed_zero2 | full   | / N   | / N (+ fp32 copy)| two reduce buckets; in backward, a second  |
+# |                 |        |       |                 | gradient partition                          |
 # | fsdp2           | / N    | / N   | / N             | all-gathered block params (this one, the    |
 # | deepspeed_zero3 | / N    | / N   | / N             | prefetched next) + that block's full grads  |
 #                                                          (+ ZeRO-3's reduce bucket)
@@ -24,6 +25,10 @@
 # gradients. DeepSpeed's buckets are hidden_size^2 elements as memfit configures them (distributed/ds_config.py; at its
 # default of 5e8 elements a ZeRO-2 rank of the tiny model held 4.0 GB): ZeRO-2 reduces into two (overlap_comm) and keeps
 # an fp32 copy of its partition of the weights for the optimizer (even when they are fp32 already); ZeRO-3 one bucket.
+# ZeRO-2 allocates its gradient partition anew, whole, at the first reduce of every micro-batch's backward while the
+# partition accumulated from the earlier ones lives on (stage_1_and_2's grads_in_partition and all_grad_tensors; at
+# the last micro-batch the flat copy the optimizer steps on takes its place): measured, a timeline of a checkpointed
+# rank's tensors at its peak held two 361 KB partitions of the tiny model's gradients.
 #
 # `offload_optimizer` (DeepSpeed only) moves the optimizer state to CPU memory: it leaves the device total
 # and is reported as `cpu_offload`. Activations are never divided: each rank holds the activations of its
@@ -58,13 +63,16 @@ class ShardingRule:
     buckets: bool = False  # DDP's gradient-sized buckets, rebuilt once beside the first ones
     ds_buckets: int = 0  # DeepSpeed's reduce buckets (ds_bucket_bytes each)
     master_partition: bool = False  # ZeRO-2's fp32 copy of this rank's partition of the trained weights
+    # ZeRO-2 allocates its gradient partition whole at each backward's first reduce, beside the partition
+    # accumulated from the earlier micro-batches (or, at the last, the flat copy the optimizer steps on)
+    fresh_grad_partition: bool = False
 
 
 RULES: dict[str, ShardingRule] = {
     "single": ShardingRule(params=False, grads=False, optim=False, gathers_blocks=False),
     "ddp": ShardingRule(params=False, grads=False, optim=False, gathers_blocks=False, buckets=True),
     "deepspeed_zero2": ShardingRule(params=False, grads=True, optim=True, gathers_blocks=False, ds_buckets=2,
-                                    master_partition=True),
+                                    master_partition=True, fresh_grad_partition=True),
     "fsdp2": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True, kept_blocks=1, staged=True),
     "deepspeed_zero3": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True, ds_buckets=1),
 }
@@ -242,17 +250,24 @@ def rank_peak(moments: list[tuple[str, Mapping[str, int]]], strategy: str, world
               ds_bucket_bytes: int = 0) -> dict[str, Any]:
     """Pure: one rank's per_rank_bytes row at the moment of the step where it peaks. Sharding shrinks the state,
     not the activations, so that moment need not be where one process peaks (`moments`: every moment's phase and
-    bytes by category, none of them holding the reference copy). A fully sharded rank holds a block's unsharded
-    gradients in the backward only. `trained`: every gradient's bytes (DDP's buckets, ZeRO-2's fp32 partition).
-    FSDP2 gathers bf16-mixed weights in bf16 (distributed/strategies.py's MixedPrecisionPolicy)."""
+    bytes by category, none of them holding the reference copy). In the backward only, a fully sharded rank holds
+    a block's unsharded gradients and a ZeRO-2 rank a second whole gradient partition. `trained`: every gradient's
+    bytes (DDP's buckets, ZeRO-2's partitions). FSDP2 gathers bf16-mixed weights in bf16 (distributed/strategies.py's
+    MixedPrecisionPolicy)."""
     n = max(1, n_blocks)
     half = strategy == "fsdp2" and precision == "bf16-mixed"
-    rows = (per_rank_bytes(*parts, strategy, world_size, block_bytes=parts[0] // n, reference_bytes=reference_bytes,
-                           offload_optimizer=offload_optimizer, trained_bytes=trained,
-                           block_grad_bytes=trained // n if phase == "backward" else 0,
-                           gathered_block_bytes=parts[0] // n // 2 if half else None, ds_bucket_bytes=ds_bucket_bytes)
-            for phase, parts in {(p, rank_parts(v, p)) for p, v in moments})  # moments alike: weighed once
-    return max(rows, key=lambda row: row["total"])
+    fresh = RULES[strategy].fresh_grad_partition
+
+    def row(phase: str, params: int, grads: int, optim: int, acts: int) -> dict[str, Any]:
+        backward = phase == "backward"
+        return per_rank_bytes(params, grads + (trained if fresh and backward else 0), optim, acts, strategy,
+                              world_size, block_bytes=params // n, reference_bytes=reference_bytes,
+                              offload_optimizer=offload_optimizer, trained_bytes=trained,
+                              block_grad_bytes=trained // n if backward else 0,
+                              gathered_block_bytes=params // n // 2 if half else None, ds_bucket_bytes=ds_bucket_bytes)
+
+    rows = (row(phase, *parts) for phase, parts in {(p, rank_parts(v, p)) for p, v in moments})  # alike: once
+    return max(rows, key=lambda r: r["total"])
 
 
 def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | None, offload_optimizer: bool = False,
