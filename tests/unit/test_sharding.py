@@ -158,3 +158,36 @@ def test_bf16_true_halves_everything_and_frozen_params_cost_only_weights():
     assert training_state_bytes(10, "fp32", n_frozen=90) == {"params": 400, "grads": 40, "optim": 80}
     with pytest.raises(ValueError):
         training_state_bytes(10, "int3")
+
+
+def test_deepspeed_under_bf16_mixed_is_counted_from_the_model_held_in_bf16():
+    from dataclasses import replace
+
+    from memfit.memory.planner.sharding import rank_share
+
+    # bf16-mixed as traced: fp32 weights (100 B), gradients (100 B) and moments (200 B) under autocast. DeepSpeed
+    # instead converts the module to bf16: the step traced in bf16-true holds 50 B of weights, 50 B of gradients and
+    # bf16 moments (100 B), which its own fp32 AdamW replaces by 200 B.
+    mixed = _estimate([FORWARD, BACKWARD, STEP], ("none",) * 4, "bf16-mixed")
+    half = {"params": 50, "grads": 50, "optimizer": 100, "activations": 0, "other": 50}
+    true = _estimate([("forward", dict(FORWARD[1], params=50, optimizer=100)),
+                      ("backward", dict(BACKWARD[1], params=50, optimizer=100)), ("step", half)], ("none",) * 4,
+                     "bf16-true")
+    asked = []
+
+    def bf16_model(e):
+        asked.append(e.stack.precision)
+        return replace(true, stack=replace(e.stack, precision="bf16-true"))
+
+    rows = rank_share(mixed, strategy="deepspeed_zero2", world_size=4, limit=None,
+                      bf16_model=bf16_model).extra["ranks"]["rows"]
+    assert asked == ["bf16-mixed"]
+    z2 = rows["deepspeed_zero2"]
+    # In the head's backward: bf16 weights whole (50), two bf16 gradient partitions (0 + 50 / 4, padded: 13), fp32
+    # moments (200 / 4 = 50) and the fp32 master partition (100 / 4 = 25), the activations and loss gradient (180).
+    assert (z2["params"], z2["grads"], z2["optim"], z2["activations"]) == (50, 13, 75, 180)
+    assert z2["total"] == 50 + 13 + 75 + 180
+    # ddp and fsdp2 keep fp32 weights under autocast: their rows come from the bf16-mixed trace, as before.
+    plain = rank_share(mixed, strategy="deepspeed_zero2", world_size=4, limit=None).extra["ranks"]["rows"]
+    assert rows["ddp"] == plain["ddp"] and rows["fsdp2"] == plain["fsdp2"]
+    assert plain["deepspeed_zero2"]["total"] > z2["total"]

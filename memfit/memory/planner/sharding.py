@@ -42,7 +42,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -109,7 +109,8 @@ def _shard(nbytes: int, divide: bool, world_size: int) -> int:
 def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strategy: str, world_size: int, *,
                    block_bytes: int = 0, offload_optimizer: bool = False, reference_bytes: int = 0,
                    trained_bytes: int = 0, block_grad_bytes: int | None = None,
-                   gathered_block_bytes: int | None = None, ds_bucket_bytes: int = 0) -> dict[str, Any]:
+                   gathered_block_bytes: int | None = None, ds_bucket_bytes: int = 0,
+                   master_bytes: int | None = None) -> dict[str, Any]:
     """Bytes ONE rank needs for the training state under `strategy` on `world_size` ranks.
 
     params / grads / optim: what a single process holds for the whole model (e.g. fp32 AdamW: 4, 4 and
@@ -122,7 +123,8 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
     buckets; ZeRO-2's fp32 copy of a partition). ds_bucket_bytes: one of DeepSpeed's reduce buckets.
     block_grad_bytes: one block's gradients (default: block_bytes scaled as `grads` is to `params`).
     gathered_block_bytes: one block's weights as gathered (default block_bytes; FSDP2 with bf16-mixed gathers them
-    in bf16). Returns
+    in bf16). master_bytes: the fp32 master copy of the trained weights ZeRO-2 partitions (default trained_bytes;
+    twice them where DeepSpeed trains a bf16 model). Returns
     the parts, their `total` on the device, `cpu_offload` bytes, and which parts are `sharded`.
     """
     if strategy not in RULES:
@@ -157,10 +159,11 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
     if rule.buckets and world_size > 1:
         transient += int(trained_bytes)
     transient += rule.ds_buckets * int(ds_bucket_bytes)
+    master = trained_bytes if master_bytes is None else master_bytes
     if rule.master_partition and not offload_optimizer:
-        out_optim += _shard(trained_bytes, True, world_size)
+        out_optim += _shard(master, True, world_size)
     elif rule.master_partition:
-        cpu += _shard(trained_bytes, True, world_size)
+        cpu += _shard(master, True, world_size)
     reference = 0 if rule.params else int(reference_bytes)
     total = out_params + out_grads + out_optim + int(activations) + transient + reference
     return {
@@ -247,7 +250,7 @@ def rank_parts(breakdown: Mapping[str, int], phase: str) -> tuple[int, int, int,
 
 def rank_peak(moments: list[tuple[str, Mapping[str, int]]], strategy: str, world_size: int, n_blocks: int,
               trained: int, reference_bytes: int = 0, offload_optimizer: bool = False, precision: str = "fp32",
-              ds_bucket_bytes: int = 0) -> dict[str, Any]:
+              ds_bucket_bytes: int = 0, master: int | None = None) -> dict[str, Any]:
     """Pure: one rank's per_rank_bytes row at the moment of the step where it peaks. Sharding shrinks the state,
     not the activations, so that moment need not be where one process peaks (`moments`: every moment's phase and
     bytes by category, none of them holding the reference copy). In the backward only, a fully sharded rank holds
@@ -264,18 +267,20 @@ def rank_peak(moments: list[tuple[str, Mapping[str, int]]], strategy: str, world
                               world_size, block_bytes=params // n, reference_bytes=reference_bytes,
                               offload_optimizer=offload_optimizer, trained_bytes=trained,
                               block_grad_bytes=trained // n if backward else 0,
-                              gathered_block_bytes=params // n // 2 if half else None, ds_bucket_bytes=ds_bucket_bytes)
+                              gathered_block_bytes=params // n // 2 if half else None, ds_bucket_bytes=ds_bucket_bytes,
+                              master_bytes=master)
 
     rows = (row(phase, *parts) for phase, parts in {(p, rank_parts(v, p)) for p, v in moments})  # alike: once
     return max(rows, key=lambda r: r["total"])
 
 
 def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | None, offload_optimizer: bool = False,
-               reference_copy_set: bool = False, ds_bucket_elements: int = 0) -> Any:
+               reference_copy_set: bool = False, ds_bucket_elements: int = 0,
+               bf16_model: Callable[[Any], Any] | None = None) -> Any:
     """One process's estimate (traced at one rank's rows, with its moments) as one rank's under `strategy` (auto:
     ddp or fsdp2 by choose_strategy's rule against `limit`, the budget less its margin): the peak and breakdown
     become the rank's; the strategy, why, and every strategy's row are kept in extra["ranks"] (for `memfit plan`
-    and phase 2)."""
+    and phase 2). bf16_model: the same step traced in bf16-true (moments kept), for DeepSpeed under bf16-mixed."""
     ref = int(estimate.extra.get("reference_bytes") or 0)
     moments = estimate.moments  # compose keeps them when the estimator has a share (Estimator.for_ranks)
     n_blocks = len(estimate.kinds)
@@ -285,11 +290,19 @@ def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | No
     bucket = ds_bucket_elements * trained // max(1, estimate.n_trainable)
     rows = {s: rank_peak(moments, s, world_size, n_blocks, trained, ref, precision=precision, ds_bucket_bytes=bucket)
             for s in STRATEGIES if s != "single"}
+    deepspeed = _deepspeed_in_bf16(estimate, bf16_model, ds_bucket_elements)
+    if deepspeed is not None:
+        for s in ("deepspeed_zero2", "deepspeed_zero3"):
+            rows[s] = rank_peak(deepspeed["moments"], s, world_size, n_blocks, deepspeed["trained"], ref,
+                                ds_bucket_bytes=deepspeed["bucket"], master=deepspeed["master"])
     if strategy == "auto":
         strategy, why, row = strategy_between(rows["ddp"], rows["fsdp2"], limit, ref, reference_copy_set)
     else:
         row = rows[strategy] if not offload_optimizer else \
-            rank_peak(moments, strategy, world_size, n_blocks, trained, ref, offload_optimizer, precision, bucket)
+            rank_peak(moments, strategy, world_size, n_blocks, trained, ref, offload_optimizer, precision, bucket) \
+            if deepspeed is None else \
+            rank_peak(deepspeed["moments"], strategy, world_size, n_blocks, deepspeed["trained"], ref,
+                      offload_optimizer, ds_bucket_bytes=deepspeed["bucket"], master=deepspeed["master"])
         why = f"distributed.strategy={strategy} set in the config ({human(row['total'])} per rank estimated)"
     rows[strategy] = row
     breakdown = {"params": row["params"], "grads": row["grads"], "optimizer": row["optim"],
@@ -300,6 +313,22 @@ def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | No
              "limit_bytes": limit, "rows": rows}
     return replace(estimate, peak_bytes=row["total"], breakdown=breakdown, moments=[],
                    host_bytes=estimate.host_bytes + row["cpu_offload"], extra={**estimate.extra, "ranks": ranks})
+
+
+def _deepspeed_in_bf16(estimate: Any, bf16_model: Callable[[Any], Any] | None,
+                       ds_bucket_elements: int) -> dict[str, Any] | None:
+    """Under bf16-mixed DeepSpeed holds the model itself in bf16 (its `bf16` section converts the module), not fp32
+    weights under autocast: bf16 weights and gradients, an fp32 master copy of the trained weights and fp32 AdamW
+    moments (its own AdamW, 8 B a trained parameter, whatever memory.optimizer says). So its rows come from the
+    step traced in bf16-true, the optimizer state made fp32. Counted from the bf16-mixed trace, ZeRO-2 and ZeRO-3
+    ranks of the tiny model read 1.34x what they held (docs/distributed.md). None where that does not apply."""
+    if bf16_model is None or estimate.stack.precision != "bf16-mixed":
+        return None
+    traced = bf16_model(estimate)
+    trained = max(int(v.get("grads", 0)) for _, v in traced.moments)  # bf16 gradients: 2 B a trained parameter
+    moments = [(phase, {**v, "optimizer": 4 * trained}) for phase, v in traced.moments]  # fp32 m and v: 8 B
+    return {"moments": moments, "trained": trained, "master": 2 * trained,
+            "bucket": ds_bucket_elements * trained // max(1, traced.n_trainable)}
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
