@@ -5,7 +5,8 @@
 
 Each row is a real `memfit` run of configs/tiny.yaml through phases 1-3 (probe, plan, train) for a few steps: one
 process, then two ranks under torchrun with ddp, fsdp2, deepspeed_zero2 and deepspeed_zero3 (rows skipped without
-DeepSpeed), with no gradient checkpointing and with every block checkpointed. The plan's predicted peak is
+DeepSpeed), with no gradient checkpointing and with every block checkpointed, in fp32, then in bf16-mixed (the
+precision of every GPU run; DeepSpeed then holds the model itself in bf16). The plan's predicted peak is
 the planner's one-rank figure (planner/sharding.py rank_share); the measured peak is rank 0's live tensor bytes at
 its peak step (monitor.track_tensors, the figure a memory budget is held to on CPU), as MLflow logged it
 (`memory/peak_bytes`). A ratio below 1 is a plan that holds less than the rank did.
@@ -28,14 +29,19 @@ from memfit import config, phases  # noqa: E402
 from memfit.files import write_json_atomic  # noqa: E402
 
 FULL = "every block checkpointed"
-ROWS = [("one process", 1, "single", "none"), (f"one process, {FULL}", 1, "single", "full"),
-        ("ddp", 2, "ddp", "none"), (f"ddp, {FULL}", 2, "ddp", "full"),
-        ("fsdp2", 2, "fsdp2", "none"), (f"fsdp2, {FULL}", 2, "fsdp2", "full"),
-        ("deepspeed_zero2", 2, "deepspeed_zero2", "none"), (f"deepspeed_zero2, {FULL}", 2, "deepspeed_zero2", "full"),
-        ("deepspeed_zero3", 2, "deepspeed_zero3", "none")]
+ROWS = [("one process", 1, "single", "none", "fp32"), (f"one process, {FULL}", 1, "single", "full", "fp32"),
+        ("ddp", 2, "ddp", "none", "fp32"), (f"ddp, {FULL}", 2, "ddp", "full", "fp32"),
+        ("fsdp2", 2, "fsdp2", "none", "fp32"), (f"fsdp2, {FULL}", 2, "fsdp2", "full", "fp32"),
+        ("deepspeed_zero2", 2, "deepspeed_zero2", "none", "fp32"),
+        (f"deepspeed_zero2, {FULL}", 2, "deepspeed_zero2", "full", "fp32"),
+        ("deepspeed_zero3", 2, "deepspeed_zero3", "none", "fp32")]
+ROWS += [(f"{label}, bf16-mixed", ranks, strategy, "none", "bf16-mixed")
+         for label, ranks, strategy in (("one process", 1, "single"), ("ddp", 2, "ddp"), ("fsdp2", 2, "fsdp2"),
+                                        ("deepspeed_zero2", 2, "deepspeed_zero2"),
+                                        ("deepspeed_zero3", 2, "deepspeed_zero3"))]
 
 
-def run_row(work: Path, ranks: int, strategy: str, policy: str, steps: int) -> dict[str, Any]:
+def run_row(work: Path, ranks: int, strategy: str, policy: str, steps: int, precision: str = "fp32") -> dict[str, Any]:
     """One short run; the plan's per-rank peak beside rank 0's measured one."""
     from mlflow import MlflowClient
     from tests_support import tiny_overrides
@@ -44,7 +50,7 @@ def run_row(work: Path, ranks: int, strategy: str, policy: str, steps: int) -> d
     extra: dict[str, Any] = {"train.max_steps": steps, "checkpoint.every_steps": steps, "train.warmup_steps": 1,
                              "data.synthetic_docs": 400, "export.onnx": False, "run.work_dir": str(work),
                              "tracking.experiment": "rank-memory", "monitor.every_steps": 1,
-                             "memory.budget_gb": 1.0, "memory.policy": policy}
+                             "memory.budget_gb": 1.0, "memory.policy": policy, "train.precision": precision}
     if ranks > 1:
         extra.update({"distributed.nproc_per_node": ranks, "distributed.strategy": strategy})
     cfg = config.load(REPO / "configs" / "tiny.yaml", tiny_overrides(root, f"sqlite:///{root / 'mlflow.db'}", **extra))
@@ -77,12 +83,12 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rank-memory-work-"))  # one preset build shared by the rows
     rows = []
-    for label, ranks, strategy, policy in ROWS:
+    for label, ranks, strategy, policy, precision in ROWS:
         row: dict[str, Any] = {"label": label, "ranks": ranks}
         if strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
             row["skipped"] = "DeepSpeed not installed"
         else:
-            row.update(run_row(work, ranks, strategy, policy, args.steps))
+            row.update(run_row(work, ranks, strategy, policy, args.steps, precision))
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
