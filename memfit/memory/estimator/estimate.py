@@ -105,6 +105,12 @@ class Estimator:
         other.world_size, other.share = world_size, share
         return other
 
+    def retraced(self, estimate: Estimate, **changes: Any) -> Estimate:
+        """`estimate`'s step (its stack as traced: a rank's rows of each micro-batch) estimated again with `changes`
+        to the stack: the planner's DeepSpeed rows under bf16-mixed, the model held in bf16 (planner/sharding.py)."""
+        rows = estimate.stack.micro_batch_size * self.world_size  # estimate() divides the global micro-batch
+        return self.estimate(replace(estimate.stack, micro_batch_size=rows, **changes), estimate.kinds)
+
     def static(self, stack: Stack) -> StaticTrace:
         stack = self.resolved(stack)  # the planner asks for weights alone before any estimate resolves `auto`
         key = (stack.precision, stack.lora, stack.quantize, stack.optimizer, stack.optimizer_in_backward)

@@ -127,18 +127,12 @@ def on_ranks(est: Estimator, cfg: Any, limit: float | None) -> Estimator:
 
     copy_set = cfg.train.objective == "dpo" and cfg.dpo.reference == "copy"
     hidden = int(getattr(est.hf_config, "hidden_size", 0) or 0)
-    whole = est.for_ranks(world, lambda e: e)  # one rank's rows, its moments kept, not yet divided
-
-    def bf16_model(e: Estimate) -> Estimate:  # DeepSpeed's rows under bf16-mixed: the model held in bf16
-        # e's stack is as traced, a rank's rows of each micro-batch: the estimator divides the global one itself
-        stack = replace(e.stack, precision="bf16-true", micro_batch_size=e.stack.micro_batch_size * world)
-        return whole.estimate(stack, e.kinds)
-
+    whole = est.for_ranks(world, lambda e: e)  # one rank's rows, its moments kept, nothing divided
     return est.for_ranks(world, partial(rank_share, strategy=cfg.distributed.strategy, world_size=world,
                                         limit=None if limit is None else int(limit),
                                         offload_optimizer=cfg.distributed.offload_optimizer,
                                         reference_copy_set=copy_set, ds_bucket_elements=bucket_elements(hidden),
-                                        bf16_model=bf16_model))
+                                        bf16_model=partial(whole.retraced, precision="bf16-true")))
 
 
 def estimate_policy(cfg: Any, profile: DeviceProfile, policy: str, hf_config: Any | None = None,
