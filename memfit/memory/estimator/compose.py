@@ -150,8 +150,12 @@ def _interior_forward_seconds(trace: KindTrace, m: int) -> float:
     return seg.seconds if seg is not None else 0.0
 
 
+def _phase(label: str) -> str:
+    return "forward" if label.startswith("f") else "backward"
+
+
 def _where(label: str, block: int | None) -> str:
-    phase = "forward" if label.startswith("f") else "backward"
+    phase = _phase(label)
     if block is not None:
         return f"{phase}, block {block}"
     part = {"fpre": "embeddings", "fpost": "head and loss", "fref": "the DPO reference's no-grad forward",
@@ -173,13 +177,13 @@ def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] 
     seconds = 0.0
     activations = 0
 
-    def visit(seg: Segment | None, where: str) -> None:
+    def visit(seg: Segment | None, where: str, phase: str) -> None:
         nonlocal mem, best
         if seg is None:
             return
         candidate = add(mem, seg.rise)
         if keep_moments:
-            moments.append((where.split(", ")[1], candidate))  # "micro-batch 1, backward, block 3": backward
+            moments.append((phase, candidate))
         if total(candidate) > best[0]:
             best = (total(candidate), candidate, where)
         mem = add(mem, seg.delta)
@@ -195,7 +199,7 @@ def compose(static: StaticTrace, traces: dict[str, KindTrace], kinds: list[str] 
         order += [(first, "bpre", None)]
         for trace, label, block in order:
             seg = trace.micro[min(m, len(trace.micro) - 1)].get(label)
-            visit(seg, f"micro-batch {m + 1}, {_where(label, block)}")
+            visit(seg, f"micro-batch {m + 1}, {_where(label, block)}", _phase(label))
             micro_seconds += seg.seconds if seg is not None else 0.0
             if label == "fref" and seg is not None:  # the proxy's no-grad forward: the other blocks' forwards too
                 micro_seconds += (n - last.n_proxy) * _interior_forward_seconds(last, m)

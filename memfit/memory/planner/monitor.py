@@ -129,7 +129,7 @@ def held_tensors(obj: Any, depth: int = 4) -> list[torch.Tensor]:
     def walk(x: Any, level: int) -> None:
         if isinstance(x, torch.Tensor):
             found.append(x)
-        elif level <= 0 or isinstance(x, (nn.Module, str, bytes, int, float)):
+        elif level <= 0:
             return
         elif isinstance(x, dict):
             for v in list(x.values()):
@@ -137,7 +137,7 @@ def held_tensors(obj: Any, depth: int = 4) -> list[torch.Tensor]:
         elif isinstance(x, (list, tuple)):
             for v in x:
                 walk(v, level - 1)
-        elif isinstance(x, torch.optim.Optimizer) or hasattr(x, "param_groups"):
+        elif hasattr(x, "param_groups"):  # an optimizer, or an engine's optimizer wrapping one
             for v in list(vars(x).values()):
                 walk(v, level - 1)
 

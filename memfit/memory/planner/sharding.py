@@ -282,27 +282,19 @@ def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | No
     become the rank's; the strategy, why, and every strategy's row are kept in extra["ranks"] (for `memfit plan`
     and phase 2). bf16_model: the same step traced in bf16-true (moments kept), for DeepSpeed under bf16-mixed."""
     ref = int(estimate.extra.get("reference_bytes") or 0)
-    moments = estimate.moments  # compose keeps them when the estimator has a share (Estimator.for_ranks)
     n_blocks = len(estimate.kinds)
-    precision = estimate.stack.precision
-    trained = max(int(v.get("grads", 0)) for _, v in moments)  # every gradient, as at the optimizer step
-    # DeepSpeed's reduce buckets hold gradients: ds_bucket_elements at the gradients' width
-    bucket = ds_bucket_elements * trained // max(1, estimate.n_trainable)
-    rows = {s: rank_peak(moments, s, world_size, n_blocks, trained, ref, precision=precision, ds_bucket_bytes=bucket)
-            for s in STRATEGIES if s != "single"}
+    plain = _rank_basis(estimate, ds_bucket_elements)  # compose keeps the moments when the estimator has a share
     deepspeed = _deepspeed_in_bf16(estimate, bf16_model, ds_bucket_elements)
-    if deepspeed is not None:
-        for s in ("deepspeed_zero2", "deepspeed_zero3"):
-            rows[s] = rank_peak(deepspeed["moments"], s, world_size, n_blocks, deepspeed["trained"], ref,
-                                ds_bucket_bytes=deepspeed["bucket"], master=deepspeed["master"])
+
+    def peak(s: str, offload: bool = False) -> dict[str, Any]:
+        b = deepspeed if deepspeed is not None and s.startswith("deepspeed") else plain
+        return rank_peak(b.moments, s, world_size, n_blocks, b.trained, ref, offload, b.precision, b.bucket, b.master)
+
+    rows = {s: peak(s) for s in STRATEGIES if s != "single"}
     if strategy == "auto":
         strategy, why, row = strategy_between(rows["ddp"], rows["fsdp2"], limit, ref, reference_copy_set)
     else:
-        row = rows[strategy] if not offload_optimizer else \
-            rank_peak(moments, strategy, world_size, n_blocks, trained, ref, offload_optimizer, precision, bucket) \
-            if deepspeed is None else \
-            rank_peak(deepspeed["moments"], strategy, world_size, n_blocks, deepspeed["trained"], ref,
-                      offload_optimizer, ds_bucket_bytes=deepspeed["bucket"], master=deepspeed["master"])
+        row = peak(strategy, offload=True) if offload_optimizer else rows[strategy]
         why = f"distributed.strategy={strategy} set in the config ({human(row['total'])} per rank estimated)"
     rows[strategy] = row
     breakdown = {"params": row["params"], "grads": row["grads"], "optimizer": row["optim"],
@@ -315,8 +307,28 @@ def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | No
                    host_bytes=estimate.host_bytes + row["cpu_offload"], extra={**estimate.extra, "ranks": ranks})
 
 
+@dataclass(frozen=True)
+class RankBasis:
+    """What a rank's rows are counted from: the step's moments, every gradient's bytes (`trained`), one DeepSpeed
+    reduce bucket, the precision the moments were traced in, and the fp32 master copy ZeRO-2 partitions (None:
+    `trained`)."""
+
+    moments: list[tuple[str, Mapping[str, int]]]
+    trained: int
+    bucket: int
+    precision: str
+    master: int | None = None
+
+
+def _rank_basis(estimate: Any, ds_bucket_elements: int) -> RankBasis:
+    trained = max(int(v.get("grads", 0)) for _, v in estimate.moments)  # every gradient, as at the optimizer step
+    # DeepSpeed's reduce buckets hold gradients: ds_bucket_elements at the gradients' width
+    bucket = ds_bucket_elements * trained // max(1, estimate.n_trainable)
+    return RankBasis(estimate.moments, trained, bucket, estimate.stack.precision)
+
+
 def _deepspeed_in_bf16(estimate: Any, bf16_model: Callable[[Any], Any] | None,
-                       ds_bucket_elements: int) -> dict[str, Any] | None:
+                       ds_bucket_elements: int) -> RankBasis | None:
     """Under bf16-mixed DeepSpeed holds the model itself in bf16 (its `bf16` section converts the module), not fp32
     weights under autocast: bf16 weights and gradients, an fp32 master copy of the trained weights and fp32 AdamW
     moments (its own AdamW, 8 B a trained parameter, whatever memory.optimizer says). So its rows come from the
@@ -324,11 +336,9 @@ def _deepspeed_in_bf16(estimate: Any, bf16_model: Callable[[Any], Any] | None,
     ranks of the tiny model read 1.34x what they held (docs/distributed.md). None where that does not apply."""
     if bf16_model is None or estimate.stack.precision != "bf16-mixed":
         return None
-    traced = bf16_model(estimate)
-    trained = max(int(v.get("grads", 0)) for _, v in traced.moments)  # bf16 gradients: 2 B a trained parameter
-    moments = [(phase, {**v, "optimizer": 4 * trained}) for phase, v in traced.moments]  # fp32 m and v: 8 B
-    return {"moments": moments, "trained": trained, "master": 2 * trained,
-            "bucket": ds_bucket_elements * trained // max(1, traced.n_trainable)}
+    traced = _rank_basis(bf16_model(estimate), ds_bucket_elements)  # bf16 gradients: 2 B a trained parameter
+    moments = [(phase, {**v, "optimizer": 4 * traced.trained}) for phase, v in traced.moments]  # fp32 m and v: 8 B
+    return replace(traced, moments=moments, master=2 * traced.trained)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
