@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from memfit.errors import MemfitError
+from memfit.runtime.termination import stop_signals_deferred
 
 log = logging.getLogger("memfit")
 
@@ -74,19 +75,21 @@ class EphemeralServer:
         args = ["--app-dir", str(_prefect_parent()), "--factory", "prefect.server.api.server:create_app",
                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
         # A Ctrl-C or SIGTERM between the fork and the reaper's watch would leave a server nobody ends (seen
-        # under load): both are held back until the pid is watched, then handled. The child inherits the
-        # mask across exec, so its first act is to clear it (a signal sent meanwhile is delivered then).
+        # under load, and in CI when the handler's exception left Popen after its fork): both are handled once
+        # the pid is watched. The signals are also masked in this thread, so that the child, which inherits the
+        # mask across exec, gets none before its first act, which is to clear it.
         held = {signal.SIGINT, signal.SIGTERM}
         on_main = threading.current_thread() is threading.main_thread()
-        if on_main:
-            signal.pthread_sigmask(signal.SIG_BLOCK, held)
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _UNMASKED_UVICORN, *args], env=self._server_env, start_new_session=True)
-            self._reaper.watch(self.proc.pid)
-        finally:
+        with stop_signals_deferred():
             if on_main:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+                signal.pthread_sigmask(signal.SIG_BLOCK, held)
+            try:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", _UNMASKED_UVICORN, *args], env=self._server_env, start_new_session=True)
+                self._reaper.watch(self.proc.pid)
+            finally:
+                if on_main:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
         os.environ["PREFECT_API_URL"] = os.environ[OWN_SERVER_ENV] = self.api_url
 
     def wait(self, timeout: float | None = None) -> str:

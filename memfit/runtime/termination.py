@@ -9,6 +9,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from memfit.errors import MemfitError
@@ -161,3 +163,31 @@ def _run_exit_functions() -> None:
         atexit._run_exitfuncs()
     except Exception:  # noqa: BLE001 - an at-exit failure must not change the exit code
         log.debug("at-exit work failed", exc_info=True)
+
+
+@contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """Run the block whole: a SIGINT or SIGTERM landing in it is handled as it ends, by the handler it would meet.
+
+    Blocking the signals (pthread_sigmask) is not enough: it masks the main thread only, and the kernel then hands a
+    process-directed signal to another thread (the exit guard's relay, a library's), after which the interpreter
+    still runs the Python handler in the main thread at its next bytecode. So the handlers are swapped for one that
+    notes the signal; the first noted one is raised again once the block is done. Outside the main thread (where
+    handlers cannot change) the block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if handler is not None and handler != signal.SIG_IGN:  # None: set outside Python, cannot be put back
+            previous[sig] = signal.signal(sig, lambda signum, _frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if noted:
+            signal.raise_signal(noted[0])  # delivered to this thread now: its handler runs before the next line

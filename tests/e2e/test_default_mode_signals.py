@@ -148,4 +148,16 @@ def test_slots_signals_and_errors_in_the_default_mode(tmp_path, home):
     deadline = time.monotonic() + 20  # the reapers stop each run's server; none outlives its run
     while _servers_of(home) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _servers_of(home) == []
+    left = {p.pid: _owner(p, (waiter, broken, early, after)) for p in _servers_of(home)}
+    assert left == {}, left  # pid: the run that started it
+
+
+def _owner(server: psutil.Process, runs: tuple[Cli, ...]) -> str:
+    """Which run started this server: the one whose stderr names its port."""
+    try:
+        cmd = server.cmdline()
+        port = cmd[cmd.index("--port") + 1]
+    except (psutil.Error, ValueError, IndexError):
+        return "unknown"
+    names = [c.err_path.parent.name for c in runs if f"127.0.0.1:{port}" in c.err]
+    return ", ".join(names) or f"port {port}, named by no run"

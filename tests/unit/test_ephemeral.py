@@ -52,3 +52,58 @@ def test_slots_are_file_locks_on_memfits_own_server_and_leases_on_any_other(monk
     monkeypatch.delenv(OWN_SERVER_ENV)
     with temporary_settings(updates={PREFECT_API_URL: own}):
         assert not ephemeral_mode()
+
+
+def test_a_ctrl_c_as_the_server_is_forked_leaves_its_pid_watched_and_stops_the_run(monkeypatch):
+    # Seen in CI: the signal landed on another thread while the main thread masked it, the handler's exception
+    # left Popen after its fork, and the server, watched by nobody, outlived the run.
+    import os
+    import signal
+    import threading
+
+    import flows.ephemeral as ephemeral
+    import memfit.runtime.procs as procs
+
+    watched: list[int] = []
+
+    class Reaper:
+        def watch(self, pid: int) -> None:
+            watched.append(pid)
+
+    class Forked:
+        pid = 4242
+
+        def __init__(self, *args, **kwargs) -> None:
+            go.set()
+            sent.wait(10)
+            sum(range(10_000))  # the handler, were it not deferred, runs in here: Popen never returns
+
+        def poll(self) -> int:
+            return 0
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(procs, "Reaper", Reaper)
+    monkeypatch.setattr(ephemeral.subprocess, "Popen", Forked)
+    monkeypatch.setattr(ephemeral.atexit, "register", lambda fn: fn)
+    for key in ("PREFECT_API_URL", OWN_SERVER_ENV, "PREFECT_UI_URL"):
+        monkeypatch.delenv(key, raising=False)
+    # A thread started before the fork's mask, as the exit guard's relay is: the kernel hands it the signal.
+    go, sent = threading.Event(), threading.Event()
+
+    def send() -> None:
+        go.wait(10)
+        os.kill(os.getpid(), signal.SIGINT)
+        sent.set()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ephemeral.EphemeralServer()
+    finally:
+        sender.join()
+        signal.signal(signal.SIGINT, previous)
+    assert watched == [Forked.pid]  # the reaper knows the server, so it ends with the run
