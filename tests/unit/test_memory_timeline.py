@@ -118,3 +118,25 @@ def test_profile_names_a_bad_compare_entry_and_steps(tmp_path):
         profile(cfg, out_dir=tmp_path / "out", compare=["none", "bogus"])
     with pytest.raises(ConfigError, match="--steps 1"):
         profile(cfg, out_dir=tmp_path / "out", steps=1)
+
+
+def test_a_dtensor_counts_as_the_shard_this_rank_holds():
+    """FSDP2's parameters, gradients and optimizer state are DTensors, whose storage reports the global size: counted
+    so, an FSDP2 rank of two read its state twice over. A fake process group of two: no other process starts."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        shard = DTensor.from_local(torch.ones(256, 64), init_device_mesh("cpu", (2,)), [Shard(0)], run_check=False)
+        assert tuple(shard.shape) == (512, 64) and shard.untyped_storage().nbytes() == 512 * 64 * 4
+        live = LiveBytes(torch.device("cpu"))
+        live.adopt([shard], "parameter")
+        assert live.current == 256 * 64 * 4  # this rank's half
+        with live:
+            doubled = shard * 2  # a DTensor the step makes: its local shard too
+        assert live.peak == 2 * 256 * 64 * 4 and isinstance(doubled, DTensor)
+    finally:
+        dist.destroy_process_group()

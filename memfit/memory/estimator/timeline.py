@@ -63,6 +63,11 @@ class LiveBytes(TorchDispatchMode):
         self.peak = self.current
 
     def _storage(self, t: torch.Tensor) -> torch.UntypedStorage | None:
+        # A DTensor (FSDP2's parameters, their gradients and optimizer state) reports a storage of the global
+        # size: this rank holds its local shard. Counted whole, an FSDP2 rank of two read its state twice over.
+        local = getattr(t, "_local_tensor", None)
+        if isinstance(local, torch.Tensor):
+            t = local
         if t.is_meta or t.is_sparse or (self.device_type is not None and t.device.type != self.device_type):
             return None
         try:
