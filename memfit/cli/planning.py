@@ -11,6 +11,8 @@ from memfit.cli.common import PROCESS, ConfigArg, JsonOpt, SetOpt, environment, 
 from memfit.errors import ConfigError, MemfitError
 from memfit.runtime.importing import collector_paused
 
+GB = 1e9  # memfit plan's per-GPU table is in GB
+
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="Target device profile: a100-40gb, a100-80gb, "
                                                 "h100-80gb, h200, l4, rtx-4090, t4, cpu.")]
 BudgetOpt = Annotated[float | None, typer.Option("--budget-gb", help="Memory budget in GB (overrides the device's).")]
@@ -106,8 +108,6 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
         if "packing" in out:
             typer.echo(format_layouts(out["packing"], out["packing_candidates"]))
         if "distributed" in out and "strategies" in out["distributed"]:
-            from memfit.memory.planner.sharding import per_gpu_text
-
             typer.echo(per_gpu_text(out["distributed"]))
     # Several ranks: what must fit is one GPU's share under the strategy, not a single-process replica.
     fits = out["distributed"].get("fits", False) if "distributed" in out else out["fits"]
@@ -116,3 +116,22 @@ def plan(config: ConfigArg = None, set_: SetOpt = None, device: DeviceOpt = None
             typer.echo(f"error: {out['distributed'].get('error') or 'the per-GPU share does not fit the budget'}"
                        if "distributed" in out else f"error: {out['error']}", err=True)
         raise typer.Exit(2)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of per_rank_bytes results (GB), one row per strategy: for `memfit plan`."""
+    head = f"{'strategy':<16}{'ranks':>6}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'transient':>10}" \
+           f"{'ref.':>8}{'total/rank':>12}{'cpu':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['strategy']:<16}{r['world_size']:>6}" + "".join(
+            f"{r[k] / GB:>9.2f}" for k in ("params", "grads", "optim", "activations"))
+            + f"{r['transient'] / GB:>10.2f}{r.get('reference', 0) / GB:>8.2f}{r['total'] / GB:>12.2f}"
+            + f"{r['cpu_offload'] / GB:>8.2f}")
+    return "\n".join(lines)
+
+
+def per_gpu_text(d: dict[str, Any]) -> str:
+    """`memfit plan` with several ranks: the strategy chosen and every strategy's share per GPU."""
+    return (f"\nper GPU on {d['world_size']} ranks: {d['strategy']} ({d['reason']})\n"
+            + format_table(list(d["strategies"].values())))

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from memfit.memory.planner.sharding import choose_strategy, format_table, per_rank_bytes, training_state_bytes
+from memfit.cli.planning import format_table
+from memfit.memory.planner.sharding import choose_strategy, per_rank_bytes, training_state_bytes
 
 pytestmark = pytest.mark.unit
 GB = 1e9
@@ -27,20 +28,28 @@ def test_llama3_8b_on_8_gpus_fsdp_shards_params_grads_and_optimizer():
     s = training_state_bytes(n, "bf16-mixed")  # fp32 master weights, fp32 grads, two fp32 Adam moments
     assert (s["params"], s["grads"], s["optim"]) == (4 * n, 4 * n, 8 * n)
     acts = int(6e9)
-    fsdp = per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "fsdp2", 8, block_bytes=4 * block)
+    root, head = n - 32 * block, 128256 * 4096  # embeddings, final norm and head: one unit, 1.05 B parameters
+    assert 1.05e9 < root < 1.06e9
+    # In a block's backward, bf16-mixed: the root unit and three blocks gathered in bf16 (MixedPrecisionPolicy),
+    # the head's unsharded bf16 gradient, one block's gradients and the reduce-scatter's input (fp32: counted so).
+    fsdp = per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "fsdp2", 8, block_bytes=4 * block,
+                          gathered_block_bytes=2 * block, root_bytes=2 * root, root_grad_bytes=2 * head,
+                          block_grad_bytes=4 * block, n_blocks=32)
     assert fsdp["params"] == math.ceil(4 * n / 8) and fsdp["optim"] == math.ceil(8 * n / 8)
-    # Two gathered blocks, the last one kept gathered after forward and the all-gather's staging; one block's full
-    # gradients and the reduce-scatter's input.
-    assert fsdp["transient"] == 4 * 4 * block + 2 * 4 * block
+    assert fsdp["transient"] == 3 * 2 * block + 2 * root + 2 * head + 2 * 4 * block
     assert fsdp["total"] == fsdp["params"] + fsdp["grads"] + fsdp["optim"] + acts + fsdp["transient"]
-    assert 27 * GB < fsdp["total"] < 28 * GB  # ~16 GB of sharded state + 6 GB of activations + ~5.2 GB gathered
+    assert 28 * GB < fsdp["total"] < 29 * GB  # ~16 GB of sharded state + 6 GB of activations + ~6.2 GB transient
+    # Counting blocks alone, as until 2026-12-08, left out 2.1 GB of gathered root unit per rank.
+    assert fsdp["transient"] - per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "fsdp2", 8,
+                                              block_bytes=4 * block, gathered_block_bytes=2 * block,
+                                              block_grad_bytes=4 * block, n_blocks=32)["transient"] > 3 * GB
     ddp = per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "ddp", 8)
     assert ddp["total"] == 16 * n + acts  # every GPU holds everything: ~134 GB, more than an 80 GB H100
     zero2 = per_rank_bytes(s["params"], s["grads"], s["optim"], acts, "deepspeed_zero2", 8)
     assert zero2["params"] == 4 * n and zero2["grads"] == math.ceil(4 * n / 8)
     strategy, why, est = choose_strategy(s["params"], s["grads"], s["optim"], acts, 8, int(80 * GB),
                                          block_bytes=4 * block)
-    assert strategy == "fsdp2" and est == fsdp and "80.00 GB" in why
+    assert strategy == "fsdp2" and est["params"] == fsdp["params"] and "80.00 GB" in why
     table = format_table([ddp, zero2, fsdp])
     assert "fsdp2" in table and f"{fsdp['total'] / GB:.2f}" in table
 
@@ -94,49 +103,72 @@ def _estimate(moments, kinds=("none", "none"), precision="fp32"):
 
 
 # One process peaks at the optimizer step (full gradients, moments and AdamW's gradient-sized scratch: 500 B). The end
-# of the forward holds 450 B, a third of it activations, which no strategy divides; the head's backward 480 B, with
-# the loss's gradient (60 B of `other`), which no strategy divides either.
+# of the forward holds 450 B, a third of it activations, which no strategy divides; the loss's own backward 480 B, with
+# the loss's gradient (60 B of `other`), which no strategy divides either, and no parameter's gradient yet; the
+# backward's last moment 470 B, with 40 B of gradients made.
 STEP = ("step", {"params": 100, "grads": 100, "optimizer": 200, "activations": 0, "other": 100})
 FORWARD = ("forward", {"params": 100, "grads": 0, "optimizer": 200, "activations": 150, "other": 0})
 BACKWARD = ("backward", {"params": 100, "grads": 0, "optimizer": 200, "activations": 120, "other": 60})
+LATER = ("backward", {"params": 100, "grads": 40, "optimizer": 200, "activations": 100, "other": 30})
 
 
 def test_a_rank_peaks_where_its_share_does_not_where_one_process_does():
     from memfit.memory.planner.sharding import rank_share
 
-    e = _estimate([FORWARD, BACKWARD, STEP], kinds=("none",) * 4)
+    e = _estimate([FORWARD, BACKWARD, LATER, STEP], kinds=("none",) * 4)
     ddp = rank_share(e, strategy="ddp", world_size=4, limit=None)
     # A replica: the process's own peak, and DDP's gradient-sized buckets (100 B) beside it.
     assert ddp.peak_bytes == 600 and ddp.breakdown == dict(STEP[1], other=200)
     fsdp = rank_share(e, strategy="fsdp2", world_size=4, limit=None)
-    # FSDP2 gathers four 25 B blocks (computing, prefetched, kept after forward, staged) and, in the backward only,
-    # holds two blocks' unsharded gradients (25 B each). At the step: 25 + 50 + 50 + 100 = 225 B. At the forward's
-    # end: 25 + 50 + 150 + 100 = 325 B. In the head's backward: 25 + 50 + 180 + 100 + 50 = 405 B, the rank's peak.
-    assert fsdp.peak_bytes == 405 and fsdp.breakdown["activations"] == 180
+    # FSDP2 gathers three 25 B blocks (computing, prefetched, kept after forward) and, once the loss's backward is
+    # done, holds two blocks' unsharded gradients (25 B each). At the step: 25 + 50 + 50 + 75 = 200 B. At the
+    # forward's end: 25 + 50 + 150 + 75 = 300 B. In the loss's backward: 25 + 50 + 180 + 75 = 330 B. At the
+    # backward's last moment: 25 + 10 + 50 + 130 + 75 + 50 = 340 B, the rank's peak.
+    assert fsdp.peak_bytes == 340 and fsdp.breakdown["activations"] == 130
     assert fsdp.extra["ranks"]["strategy"] == "fsdp2" and fsdp.moments == []
     # auto: ddp within the limit, else fsdp2; the stack keeps the global micro-batch it was asked about
     assert rank_share(e, strategy="auto", world_size=4, limit=600).extra["ranks"]["strategy"] == "ddp"
     auto = rank_share(e, strategy="auto", world_size=4, limit=599)
-    assert auto.extra["ranks"]["strategy"] == "fsdp2" and auto.peak_bytes == 405
+    assert auto.extra["ranks"]["strategy"] == "fsdp2" and auto.peak_bytes == 340
     assert auto.stack.micro_batch_size == 4
-    # bf16-mixed: FSDP2 gathers the weights in bf16 (its MixedPrecisionPolicy): four 12 B blocks, gradients in fp32.
-    bf16 = rank_share(_estimate([FORWARD, BACKWARD, STEP], ("none",) * 4, "bf16-mixed"), strategy="fsdp2",
+    # bf16-mixed: FSDP2 gathers the weights in bf16 (its MixedPrecisionPolicy): three 12 B blocks.
+    bf16 = rank_share(_estimate([FORWARD, BACKWARD, LATER, STEP], ("none",) * 4, "bf16-mixed"), strategy="fsdp2",
                       world_size=4, limit=None)
-    assert bf16.peak_bytes == 25 + 50 + 180 + 4 * 12 + 2 * 25
+    assert bf16.peak_bytes == 25 + 10 + 50 + 130 + 3 * 12 + 2 * 25
+
+
+def test_fsdp2_keeps_its_root_unit_gathered_and_the_heads_gradient_after_the_loss():
+    from memfit.memory.planner.sharding import rank_peak
+
+    # 100 B of weights: four 15 B blocks and a 40 B root unit (embeddings, head: 20 B each). Gathered all step: the
+    # root and three blocks, 85 B. The head's gradient (20 B) from the loss's backward on; the embeddings' too at
+    # the backward's last moment; two blocks' gradients (15 B each) after the loss's own backward.
+    moments = [FORWARD, BACKWARD, LATER, STEP]
+    row = rank_peak(moments, "fsdp2", 4, 4, trained=100, block_fraction=0.15, head_fraction=0.2)
+    assert row["transient"] == 40 + 3 * 15 + 40 + 2 * 15 and row["activations"] == 130  # the last moment
+    loss = rank_peak(moments[:2], "fsdp2", 4, 4, trained=100, block_fraction=0.15, head_fraction=0.2)
+    assert loss["transient"] == 40 + 3 * 15  # no gradient yet: the loss's backward comes first
+    middle = rank_peak([*moments[:3], LATER, STEP], "fsdp2", 4, 4, trained=100, block_fraction=0.15,
+                       head_fraction=0.2)
+    assert middle["transient"] == 40 + 3 * 15 + 20 + 2 * 15 + 20  # the first LATER: the head's gradient alone
+    # Two blocks: no more are counted as gathered than exist.
+    assert rank_peak(moments[:2], "fsdp2", 4, 2, trained=100, block_fraction=0.3)["transient"] == 40 + 2 * 30
 
 
 def test_what_a_moment_holds_besides_its_state_divides_only_at_the_optimizer_step():
-    from memfit.memory.planner.sharding import rank_parts, rank_share
+    from memfit.memory.planner.sharding import rank_parts, rank_peak, rank_share
 
     # The step's scratch is AdamW's, per parameter: a rank steps its shard. The backward's is the loss's gradient,
     # activation gradients and a checkpointed block's recompute: each rank's own micro-batch, whole on every rank.
     assert rank_parts(STEP[1], "step") == (100, 200, 200, 0)
     assert rank_parts(BACKWARD[1], "backward") == (100, 0, 200, 180)
     # A ZeRO-2 rank (gradients and optimizer state divided, an fp32 copy of its partition; no DeepSpeed buckets
-    # here) in the head's backward: 100 + 0 + 50 + 25 + 180 = 355 B, and the gradient partition DeepSpeed
-    # allocates whole at the backward's first reduce (25 B): 380 B. Counted as gradients the 60 B would be 15.
+    # here) in the loss's backward: 100 + 0 + 50 + 25 + 180 = 355 B. Counted as gradients the 60 B would be 15.
     zero2 = rank_share(_estimate([FORWARD, BACKWARD, STEP]), strategy="deepspeed_zero2", world_size=4, limit=None)
-    assert zero2.peak_bytes == 380 and zero2.breakdown["activations"] == 180 and zero2.breakdown["grads"] == 25
+    assert zero2.peak_bytes == 355 and zero2.breakdown["activations"] == 180 and zero2.breakdown["grads"] == 0
+    # After the loss's own backward, DeepSpeed allocates the gradient partition whole at the first reduce (25 B).
+    later = rank_peak([FORWARD, BACKWARD, BACKWARD, STEP], "deepspeed_zero2", 4, 4, trained=100)
+    assert later["total"] == 355 + 25 and later["grads"] == 25
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -168,11 +200,12 @@ def test_deepspeed_under_bf16_mixed_is_counted_from_the_model_held_in_bf16():
     # bf16-mixed as traced: fp32 weights (100 B), gradients (100 B) and moments (200 B) under autocast. DeepSpeed
     # instead converts the module to bf16: the step traced in bf16-true holds 50 B of weights, 50 B of gradients and
     # bf16 moments (100 B), which its own fp32 AdamW replaces by 200 B.
+    # Activations in bf16 too: 100 B at the forward's end, 80 B in the loss's backward (autocast: 150 and 120).
     mixed = _estimate([FORWARD, BACKWARD, STEP], ("none",) * 4, "bf16-mixed")
     half = {"params": 50, "grads": 50, "optimizer": 100, "activations": 0, "other": 50}
-    true = _estimate([("forward", dict(FORWARD[1], params=50, optimizer=100)),
-                      ("backward", dict(BACKWARD[1], params=50, optimizer=100)), ("step", half)], ("none",) * 4,
-                     "bf16-true")
+    true = _estimate([("forward", dict(FORWARD[1], params=50, optimizer=100, activations=100)),
+                      ("backward", dict(BACKWARD[1], params=50, optimizer=100, activations=80)), ("step", half)],
+                     ("none",) * 4, "bf16-true")
     asked = []
 
     def bf16_model(e):
@@ -183,11 +216,27 @@ def test_deepspeed_under_bf16_mixed_is_counted_from_the_model_held_in_bf16():
                       bf16_model=bf16_model).extra["ranks"]["rows"]
     assert asked == ["bf16-mixed"]
     z2 = rows["deepspeed_zero2"]
-    # In the head's backward: bf16 weights whole (50), two bf16 gradient partitions (0 + 50 / 4, padded: 13), fp32
-    # moments (200 / 4 = 50) and the fp32 master partition (100 / 4 = 25), the activations and loss gradient (180).
-    assert (z2["params"], z2["grads"], z2["optim"], z2["activations"]) == (50, 13, 75, 180)
-    assert z2["total"] == 50 + 13 + 75 + 180
-    # ddp and fsdp2 keep fp32 weights under autocast: their rows come from the bf16-mixed trace, as before.
+    # In the loss's backward: bf16 weights whole (50), no gradient yet, fp32 moments (200 / 4 = 50) and the fp32
+    # master partition (100 / 4 = 25), the bf16 activations and the loss's gradient (80 + 60).
+    assert (z2["params"], z2["grads"], z2["optim"], z2["activations"]) == (50, 0, 75, 140)
+    assert z2["total"] == 50 + 0 + 75 + 140
+    # ddp keeps fp32 weights under autocast: its rows come from the bf16-mixed trace. FSDP2 computes in bf16
+    # throughout (its residual stream too): the bf16 trace's activations, fp32 sharded state (25 + 0 + 50), three
+    # blocks gathered in bf16 (3 x 12).
     plain = rank_share(mixed, strategy="deepspeed_zero2", world_size=4, limit=None).extra["ranks"]["rows"]
-    assert rows["ddp"] == plain["ddp"] and rows["fsdp2"] == plain["fsdp2"]
+    assert rows["ddp"] == plain["ddp"] and plain["fsdp2"]["activations"] == 180
+    assert rows["fsdp2"]["activations"] == 140 and rows["fsdp2"]["total"] == 25 + 0 + 50 + 140 + 3 * 12
     assert plain["deepspeed_zero2"]["total"] > z2["total"]
+
+
+def test_zero3_keeps_fetched_weights_gathered_up_to_its_live_limit():
+    from memfit.memory.planner.sharding import rank_peak
+
+    # ZeRO-3 keeps a fetched parameter while its next use is near, up to stage3_max_live_parameters: measured on two
+    # CPU ranks, a resumed rank held the whole tiny model gathered at every step's peak. Four 15 B blocks and a 40 B
+    # root: all 100 B within the limit; half of them where the limit is half the model's parameters.
+    moments = [FORWARD, BACKWARD, STEP]
+    whole = rank_peak(moments, "deepspeed_zero3", 4, 4, trained=100, block_fraction=0.15, live_fraction=1.0)
+    assert whole["transient"] == 100  # the loss's backward: no gradient yet
+    assert rank_peak(moments, "deepspeed_zero3", 4, 4, trained=100, block_fraction=0.15,
+                     live_fraction=0.5)["transient"] == 50

@@ -130,6 +130,16 @@ class Estimator:
                 self._base = AutoModelForCausalLM.from_config(self.hf_config)
         return self._base
 
+    def unit_fractions(self) -> tuple[float, float]:
+        """The largest decoder block's and the output head's shares of the model's parameters (FSDP2 gathers a block
+        at a time and the rest, embeddings and head, as one root unit: planner/sharding.py)."""
+        model = self.base_model()
+        total = max(1, sum(p.numel() for p in model.parameters()))
+        blocks = find_blocks(model, self.block_class)
+        block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+        head = model.get_output_embeddings()
+        return block / total, (sum(p.numel() for p in head.parameters()) if head is not None else 0) / total
+
     def uniform_blocks(self) -> bool:
         """Whether every decoder block holds the same parameters (names, shapes, dtypes) and buffers."""
         def signature(block: torch.nn.Module) -> tuple:

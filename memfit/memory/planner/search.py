@@ -132,7 +132,8 @@ def on_ranks(est: Estimator, cfg: Any, limit: float | None) -> Estimator:
                                         limit=None if limit is None else int(limit),
                                         offload_optimizer=cfg.distributed.offload_optimizer,
                                         reference_copy_set=copy_set, ds_bucket_elements=bucket_elements(hidden),
-                                        bf16_model=partial(whole.retraced, precision="bf16-true")))
+                                        bf16_model=partial(whole.retraced, precision="bf16-true"),
+                                        unit_fractions=est.unit_fractions()))
 
 
 def estimate_policy(cfg: Any, profile: DeviceProfile, policy: str, hf_config: Any | None = None,

@@ -11,24 +11,28 @@
 # | ddp             | full   | full  | full            | the gradients' size (buckets rebuilt once)  |
 # | deepspeed_zero2 | full   | / N   | / N (+ fp32 copy)| two reduce buckets; in backward, a second  |
 # |                 |        |       |                 | gradient partition                          |
-# | fsdp2           | / N    | / N   | / N             | all-gathered block params (this one, the    |
-# | deepspeed_zero3 | / N    | / N   | / N             | prefetched next) + that block's full grads  |
-#                                                          (+ ZeRO-3's reduce bucket)
+# | fsdp2           | / N    | / N   | / N             | the root unit and three blocks gathered;    |
+# |                 |        |       |                 | in backward their unsharded gradients       |
+# | deepspeed_zero3 | / N    | / N   | / N (+ fp32 copy)| weights up to its live limit, a block's    |
+# |                 |        |       |                 | gradients, a reduce bucket                  |
 #
-# DDP's gradients are views into its buckets (gradient_as_bucket_view), but after the first step DDP rebuilds the
-# buckets in the order the gradients came, the first ones still allocated: measured on two CPU ranks, a rank's live
-# tensor peak was one gradient's size above one process's at its second step (6.25 / 8.42 / 7.70 / 7.70 MB in steps 1-4,
-# the process's own figure 7.69), so the peak a plan must hold counts it. FSDP2 keeps the last block gathered after
-# forward (distributed/strategies.py), a third block's parameters, and stages its collectives in flat buffers of a block
-# each (torch's _fsdp_collectives): the all-gather's output beside the parameters it is copied out to, and the reduce-
-# scatter's input, which holds one block's gradients until the next block's is issued, beside the block's unsharded
-# gradients. DeepSpeed's buckets are hidden_size^2 elements as memfit configures them (distributed/ds_config.py; at its
-# default of 5e8 elements a ZeRO-2 rank of the tiny model held 4.0 GB): ZeRO-2 reduces into two (overlap_comm) and keeps
-# an fp32 copy of its partition of the weights for the optimizer (even when they are fp32 already); ZeRO-3 one bucket.
-# ZeRO-2 allocates its gradient partition anew, whole, at the first reduce of every micro-batch's backward while the
-# partition accumulated from the earlier ones lives on (stage_1_and_2's grads_in_partition and all_grad_tensors; at
-# the last micro-batch the flat copy the optimizer steps on takes its place): measured, a timeline of a checkpointed
-# rank's tensors at its peak held two 361 KB partitions of the tiny model's gradients.
+# Measured on two CPU ranks (bench/rank_memory.py: rank 0's live tensors at its peak, a DTensor counted by its local
+# shard). DDP's gradients are views into its buckets (gradient_as_bucket_view), but after the first step DDP rebuilds
+# the buckets in the order the gradients came, the first ones still allocated: a rank's peak was one gradient's size
+# above one process's at its second step, so the plan counts it. FSDP2 (distributed/strategies.py) shards each block
+# and then the root module, whose unit (embeddings, final norm, head: for Llama-3-8B 1.05 B parameters, five blocks'
+# worth) stays gathered from the forward's start to the backward's end, as fully_shard does for a root; of the
+# blocks, the one computing, the next prefetched and the last (kept after forward). In the backward a unit's
+# gradients are unsharded until its reduce-scatter (the root's until the end), beside the reduce-scatter's input;
+# the loss's own backward comes first, before any parameter has a gradient, and is where a rank without gradient
+# checkpointing peaks. Under bf16-mixed FSDP2 computes in bf16 throughout (MixedPrecisionPolicy), the residual
+# stream too: its activations are the bf16-true trace's, its sharded state fp32. DeepSpeed's buckets are
+# hidden_size^2 elements as memfit configures them (distributed/ds_config.py; at its default of 5e8 elements a ZeRO-2
+# rank of the tiny model held 4.0 GB): ZeRO-2 reduces into two (overlap_comm), ZeRO-3 into one; both keep an fp32
+# copy of their partition of the weights for the optimizer, even when the weights are fp32 already. ZeRO-2 allocates
+# its gradient partition anew, whole, at the first reduce of every micro-batch's backward while the partition
+# accumulated from the earlier ones lives on (stage_1_and_2's grads_in_partition and all_grad_tensors; at the last
+# micro-batch the flat copy the optimizer steps on takes its place).
 #
 # `offload_optimizer` (DeepSpeed only) moves the optimizer state to CPU memory: it leaves the device total
 # and is reported as `cpu_offload`. Activations are never divided: each rank holds the activations of its
@@ -47,6 +51,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 GB = 1e9
+ZERO3_MAX_LIVE = 10**9  # DeepSpeed's stage3_max_live_parameters default (elements)
 STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3")
 
 
@@ -58,11 +63,12 @@ class ShardingRule:
     grads: bool
     optim: bool
     gathers_blocks: bool  # parameters are all-gathered one block at a time (fully sharded)
-    kept_blocks: int = 0  # blocks left gathered after forward (memfit's FSDP2: the last one, backward's first)
-    staged: bool = False  # FSDP2's flat all-gather output and reduce-scatter input, a block each
+    gathered_blocks: int = 2  # blocks gathered at once (FSDP2: computing, prefetched, the last kept after forward)
+    keeps_root: bool = False  # FSDP2's root unit (embeddings, final norm, head) stays gathered the whole step
+    staged: bool = False  # FSDP2's reduce-scatter input: a block's gradients once more, in the reduce dtype
     buckets: bool = False  # DDP's gradient-sized buckets, rebuilt once beside the first ones
     ds_buckets: int = 0  # DeepSpeed's reduce buckets (ds_bucket_bytes each)
-    master_partition: bool = False  # ZeRO-2's fp32 copy of this rank's partition of the trained weights
+    master_partition: bool = False  # ZeRO's fp32 copy of this rank's partition of the trained weights
     # ZeRO-2 allocates its gradient partition whole at each backward's first reduce, beside the partition
     # accumulated from the earlier micro-batches (or, at the last, the flat copy the optimizer steps on)
     fresh_grad_partition: bool = False
@@ -73,8 +79,12 @@ RULES: dict[str, ShardingRule] = {
     "ddp": ShardingRule(params=False, grads=False, optim=False, gathers_blocks=False, buckets=True),
     "deepspeed_zero2": ShardingRule(params=False, grads=True, optim=True, gathers_blocks=False, ds_buckets=2,
                                     master_partition=True, fresh_grad_partition=True),
-    "fsdp2": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True, kept_blocks=1, staged=True),
-    "deepspeed_zero3": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True, ds_buckets=1),
+    "fsdp2": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True, gathered_blocks=3,
+                          keeps_root=True, staged=True),
+    # ZeRO-3 keeps a fetched parameter gathered while its next use is near (stage3_max_reuse_distance): up to
+    # stage3_max_live_parameters elements (ZERO3_MAX_LIVE, DeepSpeed's default: memfit leaves it) stay gathered.
+    "deepspeed_zero3": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True, ds_buckets=1,
+                                    master_partition=True, gathered_blocks=1 << 30, keeps_root=True),
 }
 
 
@@ -110,7 +120,8 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
                    block_bytes: int = 0, offload_optimizer: bool = False, reference_bytes: int = 0,
                    trained_bytes: int = 0, block_grad_bytes: int | None = None,
                    gathered_block_bytes: int | None = None, ds_bucket_bytes: int = 0,
-                   master_bytes: int | None = None) -> dict[str, Any]:
+                   master_bytes: int | None = None, root_bytes: int = 0, root_grad_bytes: int = 0,
+                   n_blocks: int = 0, live_bytes: int = 0) -> dict[str, Any]:
     """Bytes ONE rank needs for the training state under `strategy` on `world_size` ranks.
 
     params / grads / optim: what a single process holds for the whole model (e.g. fp32 AdamW: 4, 4 and
@@ -124,7 +135,10 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
     block_grad_bytes: one block's gradients (default: block_bytes scaled as `grads` is to `params`).
     gathered_block_bytes: one block's weights as gathered (default block_bytes; FSDP2 with bf16-mixed gathers them
     in bf16). master_bytes: the fp32 master copy of the trained weights ZeRO-2 partitions (default trained_bytes;
-    twice them where DeepSpeed trains a bf16 model). Returns
+    twice them where DeepSpeed trains a bf16 model). root_bytes / root_grad_bytes: FSDP2's root unit (what is
+    outside the blocks) as gathered, and its unsharded gradients (0 where the moment holds none yet). n_blocks:
+    the model's blocks (0: unknown), so that no more are counted as gathered than exist. live_bytes: ZeRO-3's
+    stage3_max_live_parameters at the weights' width. Returns
     the parts, their `total` on the device, `cpu_offload` bytes, and which parts are `sharded`.
     """
     if strategy not in RULES:
@@ -149,13 +163,16 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
         cpu, out_optim = out_optim, 0
     transient = 0
     if rule.gathers_blocks and world_size > 1 and block_bytes:
-        # Two unsharded blocks (the one computing, the next prefetched), any kept gathered after forward, and the
-        # full grads of one block; FSDP2's staging buffers, one more block of each.
-        blocks = 2 + rule.kept_blocks + rule.staged
+        # Unsharded blocks (the one computing, the next prefetched; FSDP2 also the last, kept after forward), the
+        # root unit where it stays gathered, and the full gradients of one block (FSDP2: and the reduce-scatter's
+        # input) and of the root unit.
+        blocks = min(rule.gathered_blocks, n_blocks) if n_blocks else rule.gathered_blocks
         if block_grad_bytes is None:
             block_grad_bytes = int(block_bytes * (grads / params if params else 1.0))
         gathered = block_bytes if gathered_block_bytes is None else gathered_block_bytes
-        transient = blocks * int(gathered) + (1 + rule.staged) * int(block_grad_bytes)
+        weights = blocks * int(gathered) + (int(root_bytes) if rule.keeps_root else 0)
+        transient = (min(weights, live_bytes) if rule.ds_buckets and live_bytes else weights) \
+            + (1 + rule.staged) * int(block_grad_bytes) + (int(root_grad_bytes) if rule.staged else 0)
     if rule.buckets and world_size > 1:
         transient += int(trained_bytes)
     transient += rule.ds_buckets * int(ds_bucket_bytes)
@@ -250,45 +267,61 @@ def rank_parts(breakdown: Mapping[str, int], phase: str) -> tuple[int, int, int,
 
 def rank_peak(moments: list[tuple[str, Mapping[str, int]]], strategy: str, world_size: int, n_blocks: int,
               trained: int, reference_bytes: int = 0, offload_optimizer: bool = False, precision: str = "fp32",
-              ds_bucket_bytes: int = 0, master: int | None = None) -> dict[str, Any]:
-    """Pure: one rank's per_rank_bytes row at the moment of the step where it peaks. Sharding shrinks the state,
-    not the activations, so that moment need not be where one process peaks (`moments`: every moment's phase and
-    bytes by category, none of them holding the reference copy). In the backward only, a fully sharded rank holds
-    a block's unsharded gradients and a ZeRO-2 rank a second whole gradient partition. `trained`: every gradient's
-    bytes (DDP's buckets, ZeRO-2's partitions). FSDP2 gathers bf16-mixed weights in bf16 (distributed/strategies.py's
-    MixedPrecisionPolicy)."""
+              ds_bucket_bytes: int = 0, master: int | None = None, block_fraction: float = 0.0,
+              head_fraction: float = 0.0, live_fraction: float = 0.0) -> dict[str, Any]:
+    """Pure: one rank's per_rank_bytes row at the moment where it peaks, which need not be one process's (sharding
+    shrinks the state, not the activations). `moments`: each moment's phase and bytes, in order, no reference copy.
+    After the loss's own backward, a fully sharded rank holds unsharded gradients (a block's; FSDP2's root unit's:
+    the head's, at the backward's last moment the embeddings' too) and a ZeRO-2 rank a second gradient partition.
+    `trained`: every gradient's bytes. block_fraction / head_fraction: a block's and the head's shares of the
+    parameters (0: spread evenly over the blocks). FSDP2 under bf16-mixed gathers weights in bf16."""
     n = max(1, n_blocks)
-    half = strategy == "fsdp2" and precision == "bf16-mixed"
+    width = 2 if strategy == "fsdp2" and precision == "bf16-mixed" else 1
     fresh = RULES[strategy].fresh_grad_partition
 
     def row(phase: str, params: int, grads: int, optim: int, acts: int) -> dict[str, Any]:
-        backward = phase == "backward"
+        backward = phase in ("backward", "last")
+        block = int(params * block_fraction) if block_fraction else params // n
+        root = max(0, params - n * block)
+        root_grads = trained * root // max(1, params) if phase == "last" else int(trained * head_fraction)
         return per_rank_bytes(params, grads + (trained if fresh and backward else 0), optim, acts, strategy,
-                              world_size, block_bytes=params // n, reference_bytes=reference_bytes,
+                              world_size, block_bytes=block, reference_bytes=reference_bytes,
                               offload_optimizer=offload_optimizer, trained_bytes=trained,
-                              block_grad_bytes=trained // n if backward else 0,
-                              gathered_block_bytes=params // n // 2 if half else None, ds_bucket_bytes=ds_bucket_bytes,
-                              master_bytes=master)
+                              block_grad_bytes=trained * block // max(1, params) if backward else 0,
+                              gathered_block_bytes=block // width, ds_bucket_bytes=ds_bucket_bytes,
+                              master_bytes=master, root_bytes=root // width, n_blocks=n_blocks,
+                              root_grad_bytes=root_grads // width if backward else 0,
+                              live_bytes=int(params * live_fraction))
 
-    rows = (row(phase, *parts) for phase, parts in {(p, rank_parts(v, p)) for p, v in moments})  # alike: once
+    labelled = []  # the loss's backward, before any parameter's gradient: "loss"; the backward's last moment: "last"
+    for i, (phase, v) in enumerate(moments):
+        after, before = (moments[i + 1][0] if i + 1 < len(moments) else "step"), (moments[i - 1][0] if i else "")
+        first, last = phase == "backward" and before == "forward", phase == "backward" and after != "backward"
+        labelled.append(("loss" if first else "last" if last else phase, v))
+    rows = (row(phase, *parts) for phase, parts in {(p, rank_parts(v, p)) for p, v in labelled})  # alike: once
     return max(rows, key=lambda r: r["total"])
 
 
 def rank_share(estimate: Any, *, strategy: str, world_size: int, limit: int | None, offload_optimizer: bool = False,
                reference_copy_set: bool = False, ds_bucket_elements: int = 0,
-               bf16_model: Callable[[Any], Any] | None = None) -> Any:
+               bf16_model: Callable[[Any], Any] | None = None, unit_fractions: tuple[float, float] = (0, 0)) -> Any:
     """One process's estimate (traced at one rank's rows, with its moments) as one rank's under `strategy` (auto:
     ddp or fsdp2 by choose_strategy's rule against `limit`, the budget less its margin): the peak and breakdown
     become the rank's; the strategy, why, and every strategy's row are kept in extra["ranks"] (for `memfit plan`
-    and phase 2). bf16_model: the same step traced in bf16-true (moments kept), for DeepSpeed under bf16-mixed."""
+    and phase 2). bf16_model: the same step traced in bf16-true (moments kept), for DeepSpeed and FSDP2 under
+    bf16-mixed. unit_fractions: one block's and the output head's shares of the parameters (rank_peak)."""
     ref = int(estimate.extra.get("reference_bytes") or 0)
     n_blocks = len(estimate.kinds)
     plain = _rank_basis(estimate, ds_bucket_elements)  # compose keeps the moments when the estimator has a share
-    deepspeed = _deepspeed_in_bf16(estimate, bf16_model, ds_bucket_elements)
+    traced = bf16_model(estimate) if bf16_model is not None and estimate.stack.precision == "bf16-mixed" else None
+    deepspeed = _deepspeed_in_bf16(traced, ds_bucket_elements)
+    fsdp2 = _fsdp2_in_bf16(traced, plain) if estimate.stack.quantize == "none" else None
+    bases = {"deepspeed_zero2": deepspeed, "deepspeed_zero3": deepspeed, "fsdp2": fsdp2}
 
     def peak(s: str, offload: bool = False) -> dict[str, Any]:
-        b = deepspeed if deepspeed is not None and s.startswith("deepspeed") else plain
-        return rank_peak(b.moments, s, world_size, n_blocks, b.trained, ref, offload, b.precision, b.bucket, b.master)
+        b = bases.get(s) or plain
+        return rank_peak(b.moments, s, world_size, n_blocks, b.trained, ref, offload, b.precision, b.bucket, b.master,
+                         *unit_fractions, min(1.0, ZERO3_MAX_LIVE / max(1, estimate.n_params)))
 
     rows = {s: peak(s) for s in STRATEGIES if s != "single"}
     if strategy == "auto":
@@ -327,34 +360,28 @@ def _rank_basis(estimate: Any, ds_bucket_elements: int) -> RankBasis:
     return RankBasis(estimate.moments, trained, bucket, estimate.stack.precision)
 
 
-def _deepspeed_in_bf16(estimate: Any, bf16_model: Callable[[Any], Any] | None,
-                       ds_bucket_elements: int) -> RankBasis | None:
+def _deepspeed_in_bf16(traced: Any, ds_bucket_elements: int) -> RankBasis | None:
     """Under bf16-mixed DeepSpeed holds the model itself in bf16 (its `bf16` section converts the module), not fp32
     weights under autocast: bf16 weights and gradients, an fp32 master copy of the trained weights and fp32 AdamW
     moments (its own AdamW, 8 B a trained parameter, whatever memory.optimizer says). So its rows come from the
-    step traced in bf16-true, the optimizer state made fp32. Counted from the bf16-mixed trace, ZeRO-2 and ZeRO-3
-    ranks of the tiny model read 1.34x what they held (docs/distributed.md). None where that does not apply."""
-    if bf16_model is None or estimate.stack.precision != "bf16-mixed":
+    step traced in bf16-true (`traced`; None: not bf16-mixed), the optimizer state made fp32. Counted from the
+    bf16-mixed trace, ZeRO-2 and ZeRO-3 ranks of the tiny model read 1.34x what they held (docs/distributed.md)."""
+    if traced is None:
         return None
-    traced = _rank_basis(bf16_model(estimate), ds_bucket_elements)  # bf16 gradients: 2 B a trained parameter
-    moments = [(phase, {**v, "optimizer": 4 * traced.trained}) for phase, v in traced.moments]  # fp32 m and v: 8 B
-    return replace(traced, moments=moments, master=2 * traced.trained)
+    basis = _rank_basis(traced, ds_bucket_elements)  # bf16 gradients: 2 B a trained parameter
+    moments = [(phase, {**v, "optimizer": 4 * basis.trained}) for phase, v in basis.moments]  # fp32 m and v: 8 B
+    return replace(basis, moments=moments, master=2 * basis.trained)
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A plain-text table of per_rank_bytes results (GB), one row per strategy: for `memfit plan`."""
-    head = f"{'strategy':<16}{'ranks':>6}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'transient':>10}" \
-           f"{'ref.':>8}{'total/rank':>12}{'cpu':>8}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['strategy']:<16}{r['world_size']:>6}" + "".join(
-            f"{r[k] / GB:>9.2f}" for k in ("params", "grads", "optim", "activations"))
-            + f"{r['transient'] / GB:>10.2f}{r.get('reference', 0) / GB:>8.2f}{r['total'] / GB:>12.2f}"
-            + f"{r['cpu_offload'] / GB:>8.2f}")
-    return "\n".join(lines)
-
-
-def per_gpu_text(d: dict[str, Any]) -> str:
-    """`memfit plan` with several ranks: the strategy chosen and every strategy's share per GPU."""
-    return (f"\nper GPU on {d['world_size']} ranks: {d['strategy']} ({d['reason']})\n"
-            + format_table(list(d["strategies"].values())))
+def _fsdp2_in_bf16(traced: Any, plain: RankBasis) -> RankBasis | None:
+    """FSDP2 under bf16-mixed (MixedPrecisionPolicy, bf16 parameters in compute) runs the whole forward in bf16,
+    the residual stream too, where autocast keeps it in fp32: its activations are the bf16-true trace's, while its
+    sharded state stays fp32 (weights and gradients twice the traced bf16 ones, the optimizer state as memfit's
+    optimizer keeps it). From the autocast trace a rank of the tiny model read 1.135x what it held."""
+    if traced is None:
+        return None
+    optimizer = max(int(v.get("optimizer", 0)) for _, v in plain.moments)
+    moments = [(phase, {**v, "params": 2 * v.get("params", 0), "grads": 2 * v.get("grads", 0), "optimizer": optimizer,
+                        "other": v.get("other", 0) * (2 if phase == "step" else 1)})
+               for phase, v in traced.moments]
+    return replace(plain, moments=moments)
