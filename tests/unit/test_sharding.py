@@ -240,3 +240,11 @@ def test_zero3_keeps_fetched_weights_gathered_up_to_its_live_limit():
     assert whole["transient"] == 100  # the loss's backward: no gradient yet
     assert rank_peak(moments, "deepspeed_zero3", 4, 4, trained=100, block_fraction=0.15,
                      live_fraction=0.5)["transient"] == 50
+
+
+def test_zero3_with_its_blocks_unknown_counts_two_gathered_blocks():
+    # The per-rank path from phase 1's probe (plans saved before the planner planned ranks) knows neither the
+    # blocks nor the live limit: two blocks' weights and one block's gradients, not every block it cannot count.
+    row = per_rank_bytes(800, 800, 1600, 100, "deepspeed_zero3", 4, block_bytes=100)
+    assert row["transient"] == 2 * 100 + 100
+    assert row["total"] == 200 + 200 + 400 + 100 + row["transient"]  # (no trained_bytes: no fp32 partition)

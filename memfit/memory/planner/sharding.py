@@ -64,6 +64,7 @@ class ShardingRule:
     optim: bool
     gathers_blocks: bool  # parameters are all-gathered one block at a time (fully sharded)
     gathered_blocks: int = 2  # blocks gathered at once (FSDP2: computing, prefetched, the last kept after forward)
+    live_limited: bool = False  # ZeRO-3: fetched weights stay gathered up to stage3_max_live_parameters
     keeps_root: bool = False  # FSDP2's root unit (embeddings, final norm, head) stays gathered the whole step
     staged: bool = False  # FSDP2's reduce-scatter input: a block's gradients once more, in the reduce dtype
     buckets: bool = False  # DDP's gradient-sized buckets, rebuilt once beside the first ones
@@ -84,7 +85,7 @@ RULES: dict[str, ShardingRule] = {
     # ZeRO-3 keeps a fetched parameter gathered while its next use is near (stage3_max_reuse_distance): up to
     # stage3_max_live_parameters elements (ZERO3_MAX_LIVE, DeepSpeed's default: memfit leaves it) stay gathered.
     "deepspeed_zero3": ShardingRule(params=True, grads=True, optim=True, gathers_blocks=True, ds_buckets=1,
-                                    master_partition=True, gathered_blocks=1 << 30, keeps_root=True),
+                                    master_partition=True, live_limited=True),
 }
 
 
@@ -137,8 +138,8 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
     in bf16). master_bytes: the fp32 master copy of the trained weights ZeRO-2 partitions (default trained_bytes;
     twice them where DeepSpeed trains a bf16 model). root_bytes / root_grad_bytes: FSDP2's root unit (what is
     outside the blocks) as gathered, and its unsharded gradients (0 where the moment holds none yet). n_blocks:
-    the model's blocks (0: unknown), so that no more are counted as gathered than exist. live_bytes: ZeRO-3's
-    stage3_max_live_parameters at the weights' width. Returns
+    the model's blocks (0: unknown: the rule's count of blocks). live_bytes: ZeRO-3's stage3_max_live_parameters
+    at the weights' width (0 or n_blocks unknown: two blocks, as the rule counts). Returns
     the parts, their `total` on the device, `cpu_offload` bytes, and which parts are `sharded`.
     """
     if strategy not in RULES:
@@ -166,13 +167,15 @@ def per_rank_bytes(params: int, grads: int, optim: int, activations: int, strate
         # Unsharded blocks (the one computing, the next prefetched; FSDP2 also the last, kept after forward), the
         # root unit where it stays gathered, and the full gradients of one block (FSDP2: and the reduce-scatter's
         # input) and of the root unit.
-        blocks = min(rule.gathered_blocks, n_blocks) if n_blocks else rule.gathered_blocks
         if block_grad_bytes is None:
             block_grad_bytes = int(block_bytes * (grads / params if params else 1.0))
-        gathered = block_bytes if gathered_block_bytes is None else gathered_block_bytes
-        weights = blocks * int(gathered) + (int(root_bytes) if rule.keeps_root else 0)
-        transient = (min(weights, live_bytes) if rule.ds_buckets and live_bytes else weights) \
-            + (1 + rule.staged) * int(block_grad_bytes) + (int(root_grad_bytes) if rule.staged else 0)
+        gathered = int(block_bytes if gathered_block_bytes is None else gathered_block_bytes)
+        if rule.live_limited and n_blocks and live_bytes:  # every unit, up to the live limit
+            weights = min(n_blocks * gathered + int(root_bytes), live_bytes)
+        else:
+            blocks = min(rule.gathered_blocks, n_blocks) if n_blocks else rule.gathered_blocks
+            weights = blocks * gathered + (int(root_bytes) if rule.keeps_root else 0)
+        transient = weights + (1 + rule.staged) * int(block_grad_bytes) + (int(root_grad_bytes) if rule.staged else 0)
     if rule.buckets and world_size > 1:
         transient += int(trained_bytes)
     transient += rule.ds_buckets * int(ds_bucket_bytes)
