@@ -8,7 +8,6 @@ import importlib.util
 import logging
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -76,20 +75,11 @@ class EphemeralServer:
                 "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
         # A Ctrl-C or SIGTERM between the fork and the reaper's watch would leave a server nobody ends (seen
         # under load, and in CI when the handler's exception left Popen after its fork): both are handled once
-        # the pid is watched. The signals are also masked in this thread, so that the child, which inherits the
-        # mask across exec, gets none before its first act, which is to clear it.
-        held = {signal.SIGINT, signal.SIGTERM}
-        on_main = threading.current_thread() is threading.main_thread()
+        # the pid is watched.
         with stop_signals_deferred():
-            if on_main:
-                signal.pthread_sigmask(signal.SIG_BLOCK, held)
-            try:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-c", _UNMASKED_UVICORN, *args], env=self._server_env, start_new_session=True)
-                self._reaper.watch(self.proc.pid)
-            finally:
-                if on_main:
-                    signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _UVICORN, *args], env=self._server_env, start_new_session=True)
+            self._reaper.watch(self.proc.pid)
         os.environ["PREFECT_API_URL"] = os.environ[OWN_SERVER_ENV] = self.api_url
 
     def wait(self, timeout: float | None = None) -> str:
@@ -163,13 +153,12 @@ class EphemeralServer:
 # imports), on the other core. memfit's process is the critical path, so it wins a contended core; the tracking
 # process (child.py, nice 10, needed only from phase 3 on) loses to the server, which the flow needs first.
 SERVER_NICE = 5
-# `python -m uvicorn ARGS`, after clearing the signal mask the parent held while starting it (see _launch), at
-# SERVER_NICE. A thread then waits for the server's health and makes the first requests Prefect's client makes:
-# the server's first answer costs it ≈ 1 s of CPU (lazy set-up in Prefect's server), spent now, while memfit
-# still imports, instead of while its flow run waits. Read-only requests: nothing is written to the database.
-_UNMASKED_UVICORN = f"""
-import http.client, os, runpy, signal, sys, threading, time
-signal.pthread_sigmask(signal.SIG_SETMASK, set())
+# `python -m uvicorn ARGS` at SERVER_NICE. A thread then waits for the server's health and makes the first requests
+# Prefect's client makes: the server's first answer costs it ≈ 1 s of CPU (lazy set-up in Prefect's server), spent
+# now, while memfit still imports, instead of while its flow run waits. Read-only requests: nothing is written
+# to the database.
+_UVICORN = f"""
+import http.client, os, runpy, sys, threading, time
 try:
     os.nice({SERVER_NICE})
 except OSError:
